@@ -1,0 +1,1 @@
+"""Compiled kernels (Cython + a small C header). Use them through magnitude.kernels."""
