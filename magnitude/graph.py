@@ -150,3 +150,97 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self.tensors)} tensors, {len(self.nodes)} nodes)"
+
+
+# --- the llama graph ------------------------------------------------------------------------
+
+# Activation block type each weight type is paired with (DESIGN.md "GGUF block formats").
+ACT_QTYPE = {"q4_0": "q8_0", "q4_1": "q8_1", "q8_0": "q8_0"}
+
+
+def kv_cache_names(layer: int) -> tuple[str, str]:
+    return f"cache_k.{layer}", f"cache_v.{layer}"
+
+
+def build_llama_graph(hp, weight_types: Mapping[str, tuple[str, tuple[int, ...]]],
+                      n_tokens: int, n_ctx: int, all_logits: bool = False,
+                      kv_dtype: str = "f16", n_threads: int = 1) -> Graph:
+    """The op graph of a llama-architecture forward pass over n_tokens tokens.
+
+    hp: hyper-parameters (n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, n_vocab, ...).
+    weight_types: GGUF tensor name -> (qtype, numpy shape), for every weight the graph reads.
+    The positions are a run-time argument (pos0), so one graph serves every chunk of n_tokens
+    tokens (or fewer: the executor runs the first n rows). KV caches are persistent tensors of
+    [n_ctx, n_head_kv * head_dim]. With all_logits=False only the last token's logits are
+    computed (prefill and decode need nothing else); eval_logits asks for all of them.
+    """
+    T, d, ff = n_tokens, hp.n_embd, hp.n_ff
+    d_q, d_kv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    g = Graph(f"llama_T{T}")
+    weights: dict[str, str] = {}
+
+    def weight(name: str) -> str:
+        if name not in weights:
+            qtype, shape = weight_types[name]
+            weights[name] = g.add_tensor(name, shape, qtype, "weight")
+        return weights[name]
+
+    def t(name, shape, dtype="f32", layer=None, kind="intermediate"):
+        return g.add_tensor(name, shape, dtype, kind, layer)
+
+    def linear(w_name, xq, out_name, rows, layer):
+        out = t(out_name, (T, rows), layer=layer)
+        g.add_node("matmul", [weight(w_name), xq], [out], name=out_name)
+        return out
+
+    def quantize(x, w_name, layer):
+        """x [T, n] f32 -> [T, n] activation blocks of the type w_name's weight pairs with."""
+        act = ACT_QTYPE[weight_types[w_name][0]]
+        xq = t(f"{x}.{act}", (g.tensors[x].shape), act, layer)
+        g.add_node("quantize", [x], [xq], name=xq)
+        return xq
+
+    tokens = t("tokens", (T,), "i32", kind="input")
+    x = t("x.0", (T, d), layer=0)
+    g.add_node("embed", [weight("token_embd.weight"), tokens], [x], name="embed")
+    for i in range(hp.n_layer):
+        blk = f"blk.{i}."
+        # attention block: x -> x2 = x + W_o attn(rope(W_q h), rope(W_k h), W_v h)
+        h = t(f"attn_norm.{i}", (T, d), layer=i)
+        g.add_node("rmsnorm", [x, weight(blk + "attn_norm.weight")], [h], name=h)
+        hq = quantize(h, blk + "attn_q.weight", i)
+        q = linear(blk + "attn_q.weight", hq, f"q.{i}", d_q, i)
+        k = linear(blk + "attn_k.weight", hq, f"k.{i}", d_kv, i)
+        v = linear(blk + "attn_v.weight", hq, f"v.{i}", d_kv, i)
+        qr, kr = t(f"q_rope.{i}", (T, d_q), layer=i), t(f"k_rope.{i}", (T, d_kv), layer=i)
+        g.add_node("rope", [q], [qr], name=qr, n_head=hp.n_head)
+        g.add_node("rope", [k], [kr], name=kr, n_head=hp.n_head_kv)
+        ck, cv = (t(name, (n_ctx, d_kv), kv_dtype, i, "persistent") for name in kv_cache_names(i))
+        g.add_node("kv_write", [kr, v], [ck, cv], name=f"kv_write.{i}")
+        scores = t(f"scores.{i}", (n_threads, n_ctx), layer=i, kind="scratch")
+        attn = t(f"attn.{i}", (T, d_q), layer=i)
+        g.add_node("attention", [qr, ck, cv], [attn, scores], name=attn)
+        attn_out = linear(blk + "attn_output.weight", quantize(attn, blk + "attn_output.weight", i),
+                          f"attn_out.{i}", d, i)
+        x2 = t(f"x_mid.{i}", (T, d), layer=i)
+        g.add_node("add", [x, attn_out], [x2], name=x2)
+        # feed-forward block: x2 -> x2 + W_down (silu(W_gate h2) * W_up h2)
+        h2 = t(f"ffn_norm.{i}", (T, d), layer=i)
+        g.add_node("rmsnorm", [x2, weight(blk + "ffn_norm.weight")], [h2], name=h2)
+        h2q = quantize(h2, blk + "ffn_gate.weight", i)
+        gate = linear(blk + "ffn_gate.weight", h2q, f"gate.{i}", ff, i)
+        up = linear(blk + "ffn_up.weight", h2q, f"up.{i}", ff, i)
+        act = t(f"act.{i}", (T, ff), layer=i)
+        g.add_node("silu_mul", [gate, up], [act], name=act)
+        down = linear(blk + "ffn_down.weight", quantize(act, blk + "ffn_down.weight", i),
+                      f"down.{i}", d, i)
+        x = t(f"x.{i + 1}", (T, d), layer=i)
+        g.add_node("add", [x2, down], [x], name=x)
+    n_out = T if all_logits else 1
+    out_w = "output.weight" if "output.weight" in weight_types else "token_embd.weight"
+    h = t("output_norm", (n_out, d))
+    g.add_node("rmsnorm", [x, weight("output_norm.weight")], [h], name=h, last_only=not all_logits)
+    logits = t("logits", (n_out, hp.n_vocab), kind="output")
+    g.add_node("matmul", [weight(out_w), quantize(h, out_w, None)], [logits], name="logits")
+    g.validate()
+    return g
