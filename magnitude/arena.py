@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import PlanError
 from .graph import BLOCK_DTYPES, Graph, row_bytes
-from .planner import GraphPlan, align_up, liveness
+from .planner import GraphPlan, align_up
 
 BASE_ALIGNMENT = 64  # cache line; also what AVX-512 loads like
 NUMPY_DTYPES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "i8": np.int8}
@@ -84,6 +84,29 @@ def _check_bounds(plan: GraphPlan) -> None:
 # Simulation
 
 
+def graph_lifetimes(graph: Graph) -> dict[str, tuple[int, int]]:
+    """Inclusive (first, last) node range every non-weight tensor must keep its bytes for,
+    derived here from the graph's reads and writes and on purpose not shared with the planner's
+    liveness(): a checker that reuses the code it checks cannot catch its bugs."""
+    graph.validate()
+    end = len(graph.nodes) - 1
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for name in (*node.inputs, *node.outputs):
+            if graph.tensors[name].kind != "weight":
+                first.setdefault(name, i)
+                last[name] = i
+    for t in graph.tensors.values():
+        if t.kind in ("input", "persistent"):  # written by the caller before node 0
+            first[t.name] = 0
+        if t.kind in ("output", "persistent"):  # read by the caller after the last node
+            last[t.name] = end
+        if t.kind in ("input", "persistent") and t.name not in last:
+            last[t.name] = 0  # never read, still a buffer the caller fills
+    return {name: (first[name], last[name]) for name in sorted(first)}
+
+
 @dataclass(frozen=True)
 class Simulation:
     live_bytes: tuple[int, ...]  # per node: aligned bytes of the tensors live at that node
@@ -104,7 +127,7 @@ def simulate(plan: GraphPlan) -> Simulation:
                         f"{type(plan).__name__}")
     graph = plan.graph
     _check_bounds(plan)
-    truth = liveness(graph)
+    truth = graph_lifetimes(graph)
     end = len(graph.nodes) - 1
     external = set(plan.external)
     born: dict[int, list[str]] = {}
