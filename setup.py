@@ -40,7 +40,7 @@ def extensions():
         print("magnitude: WARNING: the C compiler has no OpenMP; kernels run on one thread",
               file=sys.stderr)
     cflags = ["-O0", "-g"] if DEBUG else ["-O3", "-fno-math-errno", "-fno-trapping-math"]
-    cflags += ["-std=c11", "-Wno-unused-function", "-Wno-unknown-pragmas"]
+    cflags += ["-std=c11", "-ffp-contract=off", "-Wno-unused-function", "-Wno-unknown-pragmas"]
     ldflags = []
     if openmp:
         cflags.append("-fopenmp")

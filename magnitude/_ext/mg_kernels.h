@@ -1,0 +1,586 @@
+/* mg_kernels.h: the quantized compute kernels of Magnitude, plain C, header-only.
+ *
+ * Weights stay in their GGUF block format (Q4_0 18 B, Q4_1 20 B, Q8_0 34 B per 32 values).
+ * Activations are quantized per 32-block to int8 (Q8_0 / Q8_1, exactly ggml's reference
+ * quantizers). Every dot product is an int32 sum inside a block; the two block scales are applied
+ * once per block, in the same float order on every path:
+ *
+ *     acc += (d_w * d_x) * (float)sumi            Q4_0, Q8_0
+ *     acc += (d_w * d_x) * (float)sumi + m_w * s_x   Q4_1
+ *
+ * with the blocks of a row taken in order. The SIMD paths keep that order by putting one OUTPUT
+ * ROW in each float lane (8 rows per pass), so their results are bit-identical to the scalar
+ * path, not merely close. The int32 sums are exact on every path.
+ *
+ * No -march=native: each SIMD path is compiled for its own target (GCC target pragmas below) and
+ * chosen at run time from cpuid; MAGNITUDE_KERNEL=scalar|avx2|avxvnni|avx512vnni forces one.
+ * Nothing here starts threads: callers split rows across their own OpenMP threads. The only
+ * mutable state is the selected path (an int, set once at start-up or by mg_set_kernel_path).
+ *
+ * Trap: this file is `static`, so every extension module that includes it has its OWN copy of
+ * the selected path. MAGNITUDE_KERNEL affects all of them; mg_set_kernel_path only its own module.
+ */
+#ifndef MG_SIMD_PASS /* ---------------------------------------------------------------------- */
+#ifndef MG_KERNELS_H
+#define MG_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#define MG_X86 1
+#include <immintrin.h>
+#else
+#define MG_X86 0
+#endif
+
+enum { MG_Q4_0 = 2, MG_Q4_1 = 3, MG_Q8_0 = 8 }; /* ggml type ids */
+enum { MG_PATH_SCALAR = 0, MG_PATH_AVX2 = 1, MG_PATH_AVXVNNI = 2, MG_PATH_AVX512VNNI = 3 };
+enum { MG_QK = 32 };
+
+/* bytes per 32-value block of a weight type, 0 if unknown */
+static inline int64_t mg_block_bytes(int qtype) {
+    return qtype == MG_Q4_0 ? 18 : qtype == MG_Q4_1 ? 20 : qtype == MG_Q8_0 ? 34 : 0;
+}
+/* bytes per activation block paired with a weight type: Q8_1 for Q4_1, Q8_0 otherwise */
+static inline int64_t mg_act_block_bytes(int qtype) { return qtype == MG_Q4_1 ? 36 : 34; }
+
+static inline void mg_barrier(void) { _Pragma("omp barrier") }
+
+/* ---- IEEE half <-> float, exact and portable (F16C gives the same bits) ---- */
+
+static inline uint32_t mg_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float mg_u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t mg_rd16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
+
+static inline float mg_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 31) return mg_u2f(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 is exact in float */
+        float f = (float)man * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    return mg_u2f(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* round to nearest even, like F16C and numpy's astype(float16). The float arithmetic does the
+   rounding, so this must not be compiled with -ffast-math. */
+static inline uint16_t mg_f2h(float f) {
+    const float to_inf = mg_u2f(0x77800000u), to_zero = mg_u2f(0x08800000u); /* 2^112, 2^-110 */
+    float base = (fabsf(f) * to_inf) * to_zero;
+    uint32_t w = mg_f2u(f), shl1 = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1 & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = mg_u2f((bias >> 1) + 0x07800000u) + base;
+    uint32_t bits = mg_f2u(base);
+    uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+static void mg_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = mg_f2h(x[i]);
+}
+
+/* ---- activation quantizers: ggml's quantize_row_q8_0_ref / q8_1_ref, byte for byte ---- */
+
+static inline float mg_absmax32(const float *x) {
+    float amax = 0.0f;
+    for (int j = 0; j < MG_QK; j++) {
+        float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
+/* roundf (half away from zero), spelled out so it vectorises; exact for |v| < 2^23 */
+static inline float mg_round_away(float v) {
+    float t = truncf(v);
+    float r = fabsf(v - t) >= 0.5f ? t + copysignf(1.0f, v) : t;
+    return r;
+}
+
+static inline int mg_quantize_block(const float *x, int8_t *q, float *d_out) {
+    float d = mg_absmax32(x) / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f; /* ggml multiplies by 1/d, it does not divide */
+    int sum = 0;
+    for (int j = 0; j < MG_QK; j++) {
+        q[j] = (int8_t)mg_round_away(x[j] * id);
+        sum += q[j];
+    }
+    *d_out = d;
+    return sum;
+}
+
+static void mg_quantize_q8_0(const float *x, uint8_t *out, int64_t n) {
+    for (int64_t b = 0; b < n / MG_QK; b++) {
+        uint8_t *o = out + b * 34;
+        float d;
+        mg_quantize_block(x + b * MG_QK, (int8_t *)(o + 2), &d);
+        uint16_t h = mg_f2h(d);
+        memcpy(o, &h, 2);
+    }
+}
+
+static void mg_quantize_q8_1(const float *x, uint8_t *out, int64_t n) {
+    for (int64_t b = 0; b < n / MG_QK; b++) {
+        uint8_t *o = out + b * 36;
+        float d;
+        int sum = mg_quantize_block(x + b * MG_QK, (int8_t *)(o + 4), &d);
+        uint16_t h[2] = {mg_f2h(d), mg_f2h((float)sum * d)}; /* s from the f32 d, as ggml */
+        memcpy(o, h, 4);
+    }
+}
+
+/* ---- scalar block dot products: the reference every SIMD path must reproduce exactly ---- */
+
+static inline int32_t mg_sumi_q4_1(const uint8_t *qs, const int8_t *x) {
+    int32_t s = 0;
+    for (int j = 0; j < 16; j++) s += (qs[j] & 15) * x[j] + (qs[j] >> 4) * x[j + 16];
+    return s;
+}
+static inline int32_t mg_sumi_q4_0(const uint8_t *qs, const int8_t *x) {
+    int32_t s = 0;
+    for (int j = 0; j < 16; j++) s += ((qs[j] & 15) - 8) * x[j] + ((qs[j] >> 4) - 8) * x[j + 16];
+    return s;
+}
+static inline int32_t mg_sumi_q8_0(const int8_t *w, const int8_t *x) {
+    int32_t s = 0;
+    for (int j = 0; j < 32; j++) s += w[j] * x[j];
+    return s;
+}
+
+/* int32 sum of block b of a weight row against block b of an activation row */
+static inline int32_t mg_block_sumi(int qtype, const uint8_t *w, const uint8_t *x, int64_t b) {
+    if (qtype == MG_Q4_1) return mg_sumi_q4_1(w + b * 20 + 4, (const int8_t *)(x + b * 36 + 4));
+    if (qtype == MG_Q4_0) return mg_sumi_q4_0(w + b * 18 + 2, (const int8_t *)(x + b * 34 + 2));
+    return mg_sumi_q8_0((const int8_t *)(w + b * 34 + 2), (const int8_t *)(x + b * 34 + 2));
+}
+
+/* one block's float contribution; the exact expression every path evaluates */
+static inline float mg_block_term(int qtype, const uint8_t *w, const uint8_t *x, int64_t b,
+                                  int32_t sumi) {
+    int64_t wb = mg_block_bytes(qtype), xb = mg_act_block_bytes(qtype);
+    float dw = mg_h2f(mg_rd16(w + b * wb)), dx = mg_h2f(mg_rd16(x + b * xb));
+    if (qtype == MG_Q4_1) {
+        float mw = mg_h2f(mg_rd16(w + b * wb + 2)), sx = mg_h2f(mg_rd16(x + b * xb + 2));
+        return (dw * dx) * (float)sumi + mw * sx;
+    }
+    return (dw * dx) * (float)sumi;
+}
+
+static float mg_dot_row_scalar(int qtype, const uint8_t *w, const uint8_t *x, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) acc += mg_block_term(qtype, w, x, b, mg_block_sumi(qtype, w, x, b));
+    return acc;
+}
+
+static void mg_matmul_scalar(int qtype, const uint8_t *w, int64_t row_bytes, int64_t cols,
+                             const uint8_t *xq, int64_t xq_stride, int64_t T, float *y,
+                             int64_t ldy, int64_t r0, int64_t r1) {
+    int64_t nb = cols / MG_QK;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = r0; r < r1; r++)
+            y[t * ldy + r] = mg_dot_row_scalar(qtype, w + r * row_bytes, xq + t * xq_stride, nb);
+}
+
+/* ---- float helpers, scalar (they are a small share of the time) ---- */
+
+static void mg_rmsnorm(const float *x, const float *w, float *y, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
+}
+
+static void mg_rope(float *x, int64_t n_heads, int64_t head_dim, int64_t pos, float freq_base) {
+    for (int64_t i = 0; i < head_dim / 2; i++) {
+        /* double: theta reaches pos (thousands of radians) where float loses the angle */
+        double theta = (double)pos * pow((double)freq_base, -2.0 * (double)i / (double)head_dim);
+        float c = (float)cos(theta), s = (float)sin(theta);
+        for (int64_t h = 0; h < n_heads; h++) {
+            float *p = x + h * head_dim + 2 * i;
+            float a = p[0], b = p[1];
+            p[0] = a * c - b * s;
+            p[1] = a * s + b * c;
+        }
+    }
+}
+
+static void mg_softmax(float *x, int64_t n) {
+    if (n <= 0) return;
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
+static void mg_silu_mul(const float *g, const float *u, float *y, int64_t n) {
+    /* g / (1 + e^-g): for g << 0 e^-g is inf and the quotient a correct -0 */
+    for (int64_t i = 0; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void mg_add(const float *a, const float *b, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = a[i] + b[i];
+}
+
+static void mg_dequant_row(int qtype, const uint8_t *row, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / MG_QK; b++) {
+        float *o = y + b * MG_QK;
+        if (qtype == MG_Q8_0) {
+            const uint8_t *p = row + b * 34;
+            float d = mg_h2f(mg_rd16(p));
+            for (int j = 0; j < 32; j++) o[j] = d * (float)(int8_t)p[2 + j];
+        } else if (qtype == MG_Q4_0) {
+            const uint8_t *p = row + b * 18;
+            float d = mg_h2f(mg_rd16(p));
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)((p[2 + j] & 15) - 8);
+                o[j + 16] = d * (float)((p[2 + j] >> 4) - 8);
+            }
+        } else if (qtype == MG_Q4_1) {
+            const uint8_t *p = row + b * 20;
+            float d = mg_h2f(mg_rd16(p)), m = mg_h2f(mg_rd16(p + 2));
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)(p[4 + j] & 15) + m;
+                o[j + 16] = d * (float)(p[4 + j] >> 4) + m;
+            }
+        }
+    }
+}
+
+/* attention pieces: one K row dot and one V row axpy, f32 or f16 cache */
+static float mg_dot_kv_scalar(const float *q, const void *k, int f16, int64_t n) {
+    float s = 0.0f;
+    if (f16) {
+        const uint16_t *kh = (const uint16_t *)k;
+        for (int64_t i = 0; i < n; i++) s += q[i] * mg_h2f(kh[i]);
+    } else {
+        const float *kf = (const float *)k;
+        for (int64_t i = 0; i < n; i++) s += q[i] * kf[i];
+    }
+    return s;
+}
+static void mg_axpy_kv_scalar(float a, const void *v, int f16, float *out, int64_t n) {
+    if (f16) {
+        const uint16_t *vh = (const uint16_t *)v;
+        for (int64_t i = 0; i < n; i++) out[i] += a * mg_h2f(vh[i]);
+    } else {
+        const float *vf = (const float *)v;
+        for (int64_t i = 0; i < n; i++) out[i] += a * vf[i];
+    }
+}
+
+/* ---- the SIMD paths: the second half of this file, compiled once per target ---- */
+#if MG_X86
+#define MG_SIMD_PASS 1
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define MG_SFX(name) name##_avx2
+/* u8 x s8 -> 8 x int32 sums of 4: two instructions without VNNI. No overflow: the pairs stay
+   within 2*128*127 < 2^15 for our operands (nibbles, |w8|, activations in [-127, 127]). */
+#define MG_DPBUSD(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#include "mg_kernels.h"
+#undef MG_DPBUSD
+#undef MG_SFX
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avxvnni,avx2,fma,f16c")
+#define MG_SFX(name) name##_avxvnni
+#define MG_DPBUSD(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (s))
+#include "mg_kernels.h"
+#undef MG_DPBUSD
+#undef MG_SFX
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#define MG_SFX(name) name##_avx512vnni
+#define MG_DPBUSD(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#include "mg_kernels.h"
+#undef MG_DPBUSD
+#undef MG_SFX
+#pragma GCC pop_options
+
+#undef MG_SIMD_PASS
+#endif /* MG_X86 */
+
+/* ---- path selection ---- */
+
+static int mg_cpu_features(void) {
+#if MG_X86
+    int f = 0;
+    __builtin_cpu_init();
+    int base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (base) f |= 1;
+    if (base && __builtin_cpu_supports("avxvnni")) f |= 2;
+    if (base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        f |= 4;
+    return f;
+#else
+    return 0;
+#endif
+}
+
+static int mg_path_supported(int path) {
+    if (path == MG_PATH_SCALAR) return 1;
+    if (path < 0 || path > MG_PATH_AVX512VNNI) return 0;
+    return (mg_cpu_features() >> (path - 1)) & 1;
+}
+
+static int mg_best_path(void) {
+    for (int p = MG_PATH_AVX512VNNI; p > MG_PATH_SCALAR; p--)
+        if (mg_path_supported(p)) return p;
+    return MG_PATH_SCALAR;
+}
+
+/* MAGNITUDE_KERNEL as a path: -1 unset/auto, -2 unknown name, -3 not supported by this CPU */
+static int mg_env_kernel_path(void) {
+    const char *e = getenv("MAGNITUDE_KERNEL");
+    if (!e || !*e || !strcmp(e, "auto")) return -1;
+    static const char *names[] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
+    for (int p = 0; p < 4; p++)
+        if (!strcmp(e, names[p])) return mg_path_supported(p) ? p : -3;
+    return -2;
+}
+
+static int mg_path_state = -1;
+
+static int mg_kernel_path(void) {
+    int p = mg_path_state;
+    if (p < 0) { /* first use; the wrapper module calls this at import, before any threads */
+        p = mg_env_kernel_path();
+        if (p < 0) p = mg_best_path();
+        mg_path_state = p;
+    }
+    return p;
+}
+
+static int mg_set_kernel_path(int path) {
+    if (!mg_path_supported(path)) return -1;
+    mg_path_state = path;
+    return 0;
+}
+
+static void mg_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t cols,
+                      const uint8_t *xq, int64_t xq_stride, int64_t T, float *y, int64_t ldy,
+                      int64_t r0, int64_t r1) {
+    if (mg_block_bytes(qtype) == 0 || r1 <= r0 || T <= 0) return; /* the wrapper validates */
+#if MG_X86
+    /* the SIMD paths gather 8 rows' scales with int32 offsets */
+    if (row_bytes <= (int64_t)1 << 27) {
+        switch (mg_kernel_path()) {
+        case MG_PATH_AVX2:
+            mg_matmul_avx2(qtype, w, row_bytes, cols, xq, xq_stride, T, y, ldy, r0, r1);
+            return;
+        case MG_PATH_AVXVNNI:
+            mg_matmul_avxvnni(qtype, w, row_bytes, cols, xq, xq_stride, T, y, ldy, r0, r1);
+            return;
+        case MG_PATH_AVX512VNNI:
+            mg_matmul_avx512vnni(qtype, w, row_bytes, cols, xq, xq_stride, T, y, ldy, r0, r1);
+            return;
+        }
+    }
+#endif
+    mg_matmul_scalar(qtype, w, row_bytes, cols, xq, xq_stride, T, y, ldy, r0, r1);
+}
+
+/* test hook: the per-block int32 sums of weight row 0 against activation row 0 (nb of them),
+   as the selected path computes them (8 rows are needed per SIMD pass: w must hold 8 rows) */
+static void mg_block_sums(int qtype, const uint8_t *w, int64_t row_bytes, const uint8_t *x,
+                          int64_t nb, int32_t *out) {
+#if MG_X86
+    switch (mg_kernel_path()) {
+    case MG_PATH_AVX2: mg_block_sums8_avx2(qtype, w, row_bytes, x, nb, out); return;
+    case MG_PATH_AVXVNNI: mg_block_sums8_avxvnni(qtype, w, row_bytes, x, nb, out); return;
+    case MG_PATH_AVX512VNNI: mg_block_sums8_avx512vnni(qtype, w, row_bytes, x, nb, out); return;
+    }
+#endif
+    for (int64_t r = 0; r < 8; r++)
+        for (int64_t b = 0; b < nb; b++)
+            out[r * nb + b] = mg_block_sumi(qtype, w + r * row_bytes, x, b);
+}
+
+static void mg_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16,
+                         int64_t kv_stride, int64_t n_pos, int64_t n_head, int64_t n_kv_head,
+                         int64_t head_dim, float scale, float *out, float *scratch, int64_t h0,
+                         int64_t h1) {
+    int simd = 0;
+#if MG_X86
+    simd = mg_kernel_path() != MG_PATH_SCALAR;
+#endif
+    int64_t group = n_head / n_kv_head;
+    int64_t esize = kv_f16 ? 2 : 4;
+    for (int64_t h = h0; h < h1; h++) {
+        const float *qh = q + h * head_dim;
+        float *oh = out + h * head_dim;
+        int64_t off = (h / group) * head_dim; /* element offset of this head's kv head */
+        const char *k = (const char *)k_cache + off * esize;
+        const char *v = (const char *)v_cache + off * esize;
+        for (int64_t p = 0; p < n_pos; p++) {
+            const void *kp = k + p * kv_stride * esize;
+#if MG_X86
+            if (simd) { scratch[p] = scale * mg_dot_kv_avx2(qh, kp, kv_f16, head_dim); continue; }
+#endif
+            scratch[p] = scale * mg_dot_kv_scalar(qh, kp, kv_f16, head_dim);
+        }
+        mg_softmax(scratch, n_pos);
+        for (int64_t i = 0; i < head_dim; i++) oh[i] = 0.0f;
+        for (int64_t p = 0; p < n_pos; p++) {
+            const void *vp = v + p * kv_stride * esize;
+#if MG_X86
+            if (simd) { mg_axpy_kv_avx2(scratch[p], vp, kv_f16, oh, head_dim); continue; }
+#endif
+            mg_axpy_kv_scalar(scratch[p], vp, kv_f16, oh, head_dim);
+        }
+    }
+}
+
+#endif /* MG_KERNELS_H */
+
+#else /* MG_SIMD_PASS: one SIMD path; MG_SFX names it, MG_DPBUSD is its u8 x s8 dot --------- */
+
+/* 16 bytes of packed nibbles -> 32 u8: elements 0..15 (low nibbles) then 16..31 (high) */
+static inline __m256i MG_SFX(mg_nibbles)(const uint8_t *p) {
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+}
+
+/* 8 vectors of 8 int32 -> one vector whose lane i is the sum of v[i] */
+static inline __m256i MG_SFX(mg_hsum8)(const __m256i *v) {
+    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* ab: [v0..v3 sums of lanes 0-3 | v0..v3 sums of lanes 4-7], cd the same for v4..v7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                            _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* int32 sums of one block for 8 weight rows (w points at the block in row 0) */
+static inline __m256i MG_SFX(mg_sumi8)(int qtype, const uint8_t *w, int64_t rb, const uint8_t *x) {
+    __m256i s[8];
+    if (qtype == MG_Q8_0) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 2));
+        for (int r = 0; r < 8; r++) {
+            /* sign trick: |w| is the u8 operand, x takes w's sign */
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * rb + 2));
+            s[r] = MG_DPBUSD(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+        }
+        return MG_SFX(mg_hsum8)(s);
+    }
+    int qoff = qtype == MG_Q4_1 ? 4 : 2, xoff = qtype == MG_Q4_1 ? 4 : 2;
+    __m256i xv = _mm256_loadu_si256((const __m256i *)(x + xoff));
+    for (int r = 0; r < 8; r++) s[r] = MG_DPBUSD(MG_SFX(mg_nibbles)(w + r * rb + qoff), xv);
+    __m256i sum = MG_SFX(mg_hsum8)(s);
+    if (qtype == MG_Q4_0) { /* sum (q-8)x = sum qx - 8 sum x: one sum x serves all 8 rows */
+        __m256i sx = MG_DPBUSD(_mm256_set1_epi8(1), xv);
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
+        h = _mm_hadd_epi32(h, h);
+        h = _mm_hadd_epi32(h, h);
+        sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * _mm_cvtsi128_si32(h)));
+    }
+    return sum;
+}
+
+/* the fp16 scales (and Q4_1 mins) of one block in 8 rows, one row per lane */
+static inline __m256 MG_SFX(mg_scales8)(const uint8_t *w, __m256i idx, __m256 *m) {
+    __m256i g = _mm256_i32gather_epi32((const int *)w, idx, 1); /* d | m << 16 */
+    __m256i lo = _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
+    __m256i hi = _mm256_srli_epi32(g, 16);
+    /* packus interleaves 128-bit halves: [lo0-3 hi0-3 | lo4-7 hi4-7] -> [lo0-7 | hi0-7] */
+    __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+    if (m) *m = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+}
+
+/* y[r*ys] for 8 rows starting at w, one activation row: the decode GEMV, 8 rows per pass so
+   each activation block load (and its scales) is reused 8 times */
+static void MG_SFX(mg_rows8)(int qtype, const uint8_t *w, int64_t rb, const uint8_t *x,
+                             int64_t nb, float *y) {
+    int64_t wb = mg_block_bytes(qtype), xb = mg_act_block_bytes(qtype);
+    __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                     _mm256_set1_epi32((int)rb));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wp = w + b * wb, *xp = x + b * xb;
+        __m256i si = MG_SFX(mg_sumi8)(qtype, wp, rb, xp);
+        __m256 mw, dw = MG_SFX(mg_scales8)(wp, idx, qtype == MG_Q4_1 ? &mw : NULL);
+        __m256 dx = _mm256_set1_ps(mg_h2f(mg_rd16(xp)));
+        /* the same expression, operation for operation, as mg_block_term (no FMA) */
+        __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(si));
+        if (qtype == MG_Q4_1)
+            t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(mg_h2f(mg_rd16(xp + 2)))));
+        acc = _mm256_add_ps(acc, t);
+    }
+    _mm256_storeu_ps(y, acc);
+}
+
+static void MG_SFX(mg_block_sums8)(int qtype, const uint8_t *w, int64_t rb, const uint8_t *x,
+                                   int64_t nb, int32_t *out) {
+    int64_t wb = mg_block_bytes(qtype), xb = mg_act_block_bytes(qtype);
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t s[8];
+        _mm256_storeu_si256((__m256i *)s, MG_SFX(mg_sumi8)(qtype, w + b * wb, rb, x + b * xb));
+        for (int r = 0; r < 8; r++) out[r * nb + b] = s[r];
+    }
+}
+
+static void MG_SFX(mg_matmul)(int qtype, const uint8_t *w, int64_t row_bytes, int64_t cols,
+                              const uint8_t *xq, int64_t xq_stride, int64_t T, float *y,
+                              int64_t ldy, int64_t r0, int64_t r1) {
+    int64_t nb = cols / MG_QK, r = r0;
+    for (; r + 8 <= r1; r += 8)
+        for (int64_t t = 0; t < T; t++)
+            MG_SFX(mg_rows8)(qtype, w + r * row_bytes, row_bytes, xq + t * xq_stride, nb,
+                             y + t * ldy + r);
+    for (; r < r1; r++) /* the last < 8 rows */
+        for (int64_t t = 0; t < T; t++)
+            y[t * ldy + r] = mg_dot_row_scalar(qtype, w + r * row_bytes, xq + t * xq_stride, nb);
+}
+
+#if !defined(MG_KV_DONE)
+#define MG_KV_DONE 1 /* the attention helpers need only AVX2+F16C: define them in the first pass */
+static inline float MG_SFX(mg_hsum_ps)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 MG_SFX(mg_load8_kv)(const void *p, int f16, int64_t i) {
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static float MG_SFX(mg_dot_kv)(const float *q, const void *k, int f16, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), MG_SFX(mg_load8_kv)(k, f16, i), acc);
+    float s = MG_SFX(mg_hsum_ps)(acc);
+    for (; i < n; i++)
+        s += q[i] * (f16 ? mg_h2f(((const uint16_t *)k)[i]) : ((const float *)k)[i]);
+    return s;
+}
+
+static void MG_SFX(mg_axpy_kv)(float a, const void *v, int f16, float *out, int64_t n) {
+    __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(av, MG_SFX(mg_load8_kv)(v, f16, i),
+                                                  _mm256_loadu_ps(out + i)));
+    for (; i < n; i++) out[i] += a * (f16 ? mg_h2f(((const uint16_t *)v)[i]) : ((const float *)v)[i]);
+}
+#endif /* MG_KV_DONE */
+
+#endif /* MG_SIMD_PASS */
