@@ -107,7 +107,10 @@ static inline int mg_quantize_block(const float *x, int8_t *q, float *d_out) {
     float id = d != 0.0f ? 1.0f / d : 0.0f; /* ggml multiplies by 1/d, it does not divide */
     int sum = 0;
     for (int j = 0; j < MG_QK; j++) {
-        q[j] = (int8_t)mg_round_away(x[j] * id);
+        /* the clamp changes nothing when 1/d is finite (|x*id| rounds to <= 127) but keeps the
+           cast defined when d is a float subnormal and 1/d overflows (ggml's reference is UB) */
+        float v = fminf(fmaxf(x[j] * id, -127.0f), 127.0f);
+        q[j] = (int8_t)mg_round_away(v);
         sum += q[j];
     }
     *d_out = d;
