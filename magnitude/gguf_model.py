@@ -260,7 +260,12 @@ class ModelFile:
             raise ModelError(f"{self.path}: rope.dimension_count {n_rot} with head size "
                              f"{head_dim}; only RoPE over the whole (even) head is supported")
         tokens = self.meta("tokenizer.ggml.tokens", None)
-        n_vocab_default = len(tokens) if isinstance(tokens, list) and tokens else None
+        n_tokens = len(tokens) if isinstance(tokens, list) else 0
+        n_vocab = self._int(f"{arch}.vocab_size", n_tokens or None)
+        if n_tokens > n_vocab:
+            # Ids past the embedding rows would index outside token_embd in the kernels.
+            raise ModelError(f"{self.path}: the tokenizer has {n_tokens} tokens but the model "
+                             f"only {n_vocab} (vocab_size); the file is inconsistent")
         return HParams(
             arch=arch,
             name=str(self.meta("general.name", os.path.basename(self.path))),
@@ -270,7 +275,7 @@ class ModelFile:
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_vocab=self._int(f"{arch}.vocab_size", n_vocab_default),
+            n_vocab=n_vocab,
             n_ctx_train=self._int(f"{arch}.context_length"),
             rope_freq_base=self._float(f"{arch}.rope.freq_base", 10000.0),
             rms_eps=self._float(f"{arch}.attention.layer_norm_rms_epsilon"),

@@ -45,6 +45,20 @@ def _pre_tokenizer(pre: str):
                      "gpt2, llama3")
 
 
+def _token_types(token_types, n_tokens: int) -> list[int]:
+    if token_types is None:
+        return []
+    try:
+        types = [int(t) for t in token_types]
+    except (TypeError, ValueError):
+        raise ModelError("tokenizer.ggml.token_type is not a list of integers; the file is "
+                         "corrupt") from None
+    if len(types) != n_tokens:
+        raise ModelError(f"tokenizer.ggml.token_type has {len(types)} entries for {n_tokens} "
+                         "tokens; the file is corrupt")
+    return types
+
+
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the printable stand-in of each byte -> the byte."""
@@ -75,10 +89,14 @@ class Tokenizer:
             if not sep:
                 raise ModelError(f"tokenizer merge {m!r} is not two tokens separated by a space")
             pairs.append((a, b))
-        self._tok = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        try:
+            bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False)
+        except Exception as e:  # tokenizers raises a bare Exception, e.g. a merge out of vocab
+            raise ModelError(f"tokenizer vocabulary/merges are inconsistent: {e}") from None
+        self._tok = HFTokenizer(bpe)
         self._tok.pre_tokenizer = _pre_tokenizer(pre)
         self._tok.decoder = decoders.ByteLevel()
-        types = [int(t) for t in token_types] if token_types is not None else []
+        types = _token_types(token_types, len(tokens))
         self._special = frozenset(i for i, t in enumerate(types) if t == _CONTROL)
         # normalized=False: match the literal text; special=True: skipped by skip_special.
         self._tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
@@ -105,9 +123,10 @@ class Tokenizer:
                              "only byte-level BPE ('gpt2') is")
         tokens = meta("tokenizer.ggml.tokens")
         merges = meta("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not tokens or not isinstance(merges, list):
+        if not _str_list(tokens) or not tokens or not _str_list(merges):
             raise ModelError(f"{model_file.path}: tokenizer.ggml.tokens/merges are not lists of "
                              "strings; the file is corrupt")
+        template = meta("tokenizer.chat_template", None)
         extra = [meta(k, None) for k in ("tokenizer.ggml.eot_token_id",
                                          "tokenizer.ggml.eom_token_id")]
         return cls(tokens, merges, meta("tokenizer.ggml.token_type", None),
@@ -115,7 +134,7 @@ class Tokenizer:
                    bos_id=meta("tokenizer.ggml.bos_token_id", None),
                    eos_id=meta("tokenizer.ggml.eos_token_id", None),
                    add_bos=meta("tokenizer.ggml.add_bos_token", False),
-                   chat_template=meta("tokenizer.chat_template", None),
+                   chat_template=template if isinstance(template, str) else None,
                    extra_eot_ids=[i for i in extra if isinstance(i, int)])
 
     def _check_id(self, i, what: str):
@@ -186,6 +205,10 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+def _str_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def _check_messages(messages) -> None:

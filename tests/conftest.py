@@ -3,6 +3,7 @@ setup, so tests that need it fail loudly rather than skip when it is missing."""
 import pytest
 
 from magnitude.gguf_model import ModelFile, default_model_path
+from reference import write_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +14,11 @@ def model_path() -> str:
 @pytest.fixture(scope="session")
 def model_file(model_path) -> ModelFile:
     return ModelFile(model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A small random llama GGUF (see reference.write_tiny_llama): 2 layers, n_embd 64."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_llama(path)
+    return str(path)
