@@ -291,8 +291,10 @@ static void mg_axpy_kv_scalar(float a, const void *v, int f16, float *out, int64
 /* u8 x s8 -> 8 x int32 sums of 4: two instructions without VNNI. No overflow: the pairs stay
    within 2*128*127 < 2^15 for our operands (nibbles, |w8|, activations in [-127, 127]). */
 #define MG_DPBUSD(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#define MG_DPBUSD_ACC(acc, u, s) _mm256_add_epi32((acc), MG_DPBUSD(u, s))
 #include "mg_kernels.h"
 #undef MG_DPBUSD
+#undef MG_DPBUSD_ACC
 #undef MG_SFX
 #pragma GCC pop_options
 
@@ -300,8 +302,10 @@ static void mg_axpy_kv_scalar(float a, const void *v, int f16, float *out, int64
 #pragma GCC target("avxvnni,avx2,fma,f16c")
 #define MG_SFX(name) name##_avxvnni
 #define MG_DPBUSD(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (s))
+#define MG_DPBUSD_ACC(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
 #include "mg_kernels.h"
 #undef MG_DPBUSD
+#undef MG_DPBUSD_ACC
 #undef MG_SFX
 #pragma GCC pop_options
 
@@ -309,8 +313,10 @@ static void mg_axpy_kv_scalar(float a, const void *v, int f16, float *out, int64
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #define MG_SFX(name) name##_avx512vnni
 #define MG_DPBUSD(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#define MG_DPBUSD_ACC(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #include "mg_kernels.h"
 #undef MG_DPBUSD
+#undef MG_DPBUSD_ACC
 #undef MG_SFX
 #pragma GCC pop_options
 
@@ -451,13 +457,29 @@ static void mg_attention(const float *q, const void *k_cache, const void *v_cach
 
 #endif /* MG_KERNELS_H */
 
-#else /* MG_SIMD_PASS: one SIMD path; MG_SFX names it, MG_DPBUSD is its u8 x s8 dot --------- */
+#else /* MG_SIMD_PASS: one SIMD path; MG_SFX names it, MG_DPBUSD(_ACC) its u8 x s8 dot ---- */
 
-/* 16 bytes of packed nibbles -> 32 u8: elements 0..15 (low nibbles) then 16..31 (high) */
-static inline __m256i MG_SFX(mg_nibbles)(const uint8_t *p) {
-    __m128i q = _mm_loadu_si128((const __m128i *)p);
-    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+/* Lane order of every 8-row vector below: rows 0 2 4 6 1 3 5 7. It falls out of the hadd tree
+   in mg_sumi8_q4; gathering the scales in the same order keeps rows and scales together, and
+   MG_UNPERM puts rows back in order on the way out. */
+#define MG_LANE_ROWS 0, 2, 4, 6, 1, 3, 5, 7
+#define MG_UNPERM 0, 4, 1, 5, 2, 6, 3, 7
+
+/* Q4 blocks of 8 rows: two rows per ymm ([row 2k nibbles | row 2k+1 nibbles]), so one and/shift/
+   dpbusd pair serves two rows and the lanes come out already half reduced. */
+static inline __m256i MG_SFX(mg_sumi8_q4)(const uint8_t *qs, int64_t rb, __m256i xlo,
+                                          __m256i xhi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i v[4];
+    for (int k = 0; k < 4; k++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(qs + 2 * k * rb));
+        __m128i b = _mm_loadu_si128((const __m128i *)(qs + (2 * k + 1) * rb));
+        __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        v[k] = MG_DPBUSD_ACC(MG_DPBUSD(lo, xlo), hi, xhi); /* [row 2k: 4 lanes | row 2k+1] */
+    }
+    /* hadd pairs lanes within 128-bit halves: three of them finish all 8 rows */
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
 }
 
 /* 8 vectors of 8 int32 -> one vector whose lane i is the sum of v[i] */
@@ -469,25 +491,25 @@ static inline __m256i MG_SFX(mg_hsum8)(const __m256i *v) {
                             _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
-/* int32 sums of one block for 8 weight rows (w points at the block in row 0) */
+/* int32 sums of one block for 8 weight rows (w points at the block in row 0), in lane order */
 static inline __m256i MG_SFX(mg_sumi8)(int qtype, const uint8_t *w, int64_t rb, const uint8_t *x) {
-    __m256i s[8];
     if (qtype == MG_Q8_0) {
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 2));
-        for (int r = 0; r < 8; r++) {
+        static const int order[8] = {MG_LANE_ROWS};
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 2)), s[8];
+        for (int i = 0; i < 8; i++) {
             /* sign trick: |w| is the u8 operand, x takes w's sign */
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * rb + 2));
-            s[r] = MG_DPBUSD(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + order[i] * rb + 2));
+            s[i] = MG_DPBUSD(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
         }
         return MG_SFX(mg_hsum8)(s);
     }
-    int qoff = qtype == MG_Q4_1 ? 4 : 2, xoff = qtype == MG_Q4_1 ? 4 : 2;
-    __m256i xv = _mm256_loadu_si256((const __m256i *)(x + xoff));
-    for (int r = 0; r < 8; r++) s[r] = MG_DPBUSD(MG_SFX(mg_nibbles)(w + r * rb + qoff), xv);
-    __m256i sum = MG_SFX(mg_hsum8)(s);
+    int off = qtype == MG_Q4_1 ? 4 : 2; /* past d (and m) in both the weight and the act block */
+    __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + off)));
+    __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + off + 16)));
+    __m256i sum = MG_SFX(mg_sumi8_q4)(w + off, rb, xlo, xhi);
     if (qtype == MG_Q4_0) { /* sum (q-8)x = sum qx - 8 sum x: one sum x serves all 8 rows */
-        __m256i sx = MG_DPBUSD(_mm256_set1_epi8(1), xv);
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
+        __m256i sx = MG_DPBUSD_ACC(MG_DPBUSD(_mm256_set1_epi8(1), xlo), _mm256_set1_epi8(1), xhi);
+        __m128i h = _mm256_castsi256_si128(sx); /* both halves hold the same sums */
         h = _mm_hadd_epi32(h, h);
         h = _mm_hadd_epi32(h, h);
         sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * _mm_cvtsi128_si32(h)));
@@ -511,30 +533,30 @@ static inline __m256 MG_SFX(mg_scales8)(const uint8_t *w, __m256i idx, __m256 *m
 static void MG_SFX(mg_rows8)(int qtype, const uint8_t *w, int64_t rb, const uint8_t *x,
                              int64_t nb, float *y) {
     int64_t wb = mg_block_bytes(qtype), xb = mg_act_block_bytes(qtype);
-    __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                     _mm256_set1_epi32((int)rb));
+    __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(MG_LANE_ROWS), _mm256_set1_epi32((int)rb));
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wp = w + b * wb, *xp = x + b * xb;
         __m256i si = MG_SFX(mg_sumi8)(qtype, wp, rb, xp);
         __m256 mw, dw = MG_SFX(mg_scales8)(wp, idx, qtype == MG_Q4_1 ? &mw : NULL);
-        __m256 dx = _mm256_set1_ps(mg_h2f(mg_rd16(xp)));
+        __m256 dx = _mm256_set1_ps(_cvtsh_ss(mg_rd16(xp))); /* F16C: same bits as mg_h2f */
         /* the same expression, operation for operation, as mg_block_term (no FMA) */
         __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(si));
         if (qtype == MG_Q4_1)
-            t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(mg_h2f(mg_rd16(xp + 2)))));
+            t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(_cvtsh_ss(mg_rd16(xp + 2)))));
         acc = _mm256_add_ps(acc, t);
     }
-    _mm256_storeu_ps(y, acc);
+    _mm256_storeu_ps(y, _mm256_permutevar8x32_ps(acc, _mm256_setr_epi32(MG_UNPERM)));
 }
 
 static void MG_SFX(mg_block_sums8)(int qtype, const uint8_t *w, int64_t rb, const uint8_t *x,
                                    int64_t nb, int32_t *out) {
     int64_t wb = mg_block_bytes(qtype), xb = mg_act_block_bytes(qtype);
     for (int64_t b = 0; b < nb; b++) {
+        static const int order[8] = {MG_LANE_ROWS};
         int32_t s[8];
         _mm256_storeu_si256((__m256i *)s, MG_SFX(mg_sumi8)(qtype, w + b * wb, rb, x + b * xb));
-        for (int r = 0; r < 8; r++) out[r * nb + b] = s[r];
+        for (int i = 0; i < 8; i++) out[order[i] * nb + b] = s[i];
     }
 }
 
