@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import ConfigError, ModelError
@@ -34,15 +34,8 @@ def _pre_tokenizer(pre: str):
                                         _byte_level_split()])
     if pre in ("gpt2", "gpt-2", "default"):
         return _byte_level_split()
-    if pre in ("llama3", "llama-bpe", "llama-v3"):
-        # Numbers in groups of up to three, then the byte-level mapping without the GPT-2 regex.
-        split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
-                      r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(split, behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ModelError(f"tokenizer pre-tokenizer {pre!r} is not supported; supported: smollm, "
-                     "gpt2, llama3")
+                     "gpt2")
 
 
 def _token_types(token_types, n_tokens: int) -> list[int]:
