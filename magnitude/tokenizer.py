@@ -145,7 +145,13 @@ class Tokenizer:
         BOS is prepended only when the file asks for it (tokenizer.ggml.add_bos_token)."""
         if not isinstance(text, str):
             raise ConfigError(f"encode() takes a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # a lone surrogate such as "\ud800": a str, but not Unicode text
+            pos = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+            raise ConfigError(f"text has a lone surrogate {text[pos]!r} at position {pos}, "
+                              "which is not valid Unicode; decode the input with "
+                              "errors='replace'") from None
         return [self.bos_id] + ids if self.add_bos else ids
 
     def _check_ids(self, ids) -> list[int]:
