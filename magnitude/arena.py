@@ -358,6 +358,7 @@ class Report:
     naive_total: int  # sum of aligned sizes: the arena with no reuse at all
     external: tuple[str, ...]
     large_unshared: tuple[str, ...]  # big tensors that share bytes with nobody, largest first
+    alignment: int = 64
 
     @property
     def ratio(self) -> float:
@@ -371,12 +372,32 @@ class Report:
                  f"arena {_fmt_bytes(self.arena_size)}, lower bound "
                  f"{_fmt_bytes(self.lower_bound)} (ratio {self.ratio:.3f}), no-reuse total "
                  f"{_fmt_bytes(self.naive_total)} (reuse saves {saved:.1%})"]
+        unshared = self.unshared_bytes()
+        if unshared:
+            total = sum(n for n, _ in unshared.values())
+            parts = ", ".join(f"{kind} {_fmt_bytes(n)} ({count})"
+                              for kind, (n, count) in unshared.items())
+            share = total / self.arena_size if self.arena_size else 0.0
+            lines.append(f"bytes nobody else uses: {_fmt_bytes(total)} ({share:.0%} of the "
+                         f"arena): {parts}")
         if self.large_unshared:
             shown = ", ".join(self.large_unshared[:5])
             more = len(self.large_unshared) - 5
             lines.append(f"large tensors sharing with nobody: {shown}"
                          + (f" (+{more} more)" if more > 0 else ""))
         return "\n".join(lines)
+
+    def unshared_bytes(self) -> dict[str, tuple[int, int]]:
+        """Kind -> (aligned bytes, tensor count) of tensors whose bytes no other tensor reuses,
+        largest first: with a long KV cache the persistent share dominates."""
+        out: dict[str, list[int]] = {}
+        for r in self.rows:
+            if r.reuse == 0:
+                acc = out.setdefault(r.kind, [0, 0])
+                acc[0] += align_up(r.size, self.alignment)
+                acc[1] += 1
+        return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: (-kv[1][0],
+                                                                                  kv[0]))}
 
     def table(self, limit: int | None = 40, sort: str = "offset") -> str:
         """Fixed-width table; sort by 'offset' (arena order) or 'size' (largest first)."""
@@ -463,4 +484,4 @@ def report(plan: GraphPlan, large_fraction: float = 0.05) -> Report:
                    key=lambda r: (-r.size, r.name))
     naive = sum(align_up(r.size, plan.alignment) for r in rows)
     return Report(graph.name, plan.strategy, rows, plan.arena_size, plan.lower_bound, naive,
-                  tuple(plan.external), tuple(r.name for r in large))
+                  tuple(plan.external), tuple(r.name for r in large), plan.alignment)

@@ -167,6 +167,14 @@ def _squeeze_y(ax, static, top: int, scale: int, unit: str, what: str) -> None:
             bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.7"))
 
 
+def _node_axis(ax, n_nodes: int) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # nodes are whole numbers
+    ax.set_xlim(-0.5, n_nodes - 0.5)
+    ax.set_xlabel("node index (execution order)")
+
+
 def _title(plan: GraphPlan) -> str:
     ratio = plan.arena_size / plan.lower_bound if plan.lower_bound else 1.0
     mode = ", preserve_all" if plan.preserve_all else ""
@@ -200,12 +208,11 @@ def plot_arena(plan: GraphPlan, path, color_by: str = "op", dpi: int = 110) -> P
                                       linewidths=0.3, zorder=2))
     _bound_lines(ax, plan, scale, unit)
     _layer_bands(ax, plan)
-    ax.set_xlim(-0.5, n_nodes - 0.5)
+    _node_axis(ax, n_nodes)
     ax.set_ylim(0, max(plan.arena_size, plan.lower_bound, 1) / scale * 1.05)
     _squeeze_y(ax, static_ranges(plan), max(plan.arena_size, plan.lower_bound), scale, unit,
                "whole-graph tensors")
     _label_big_boxes(ax, rows, scale)
-    ax.set_xlabel("node index (execution order)")
     ax.set_ylabel(f"arena offset ({unit})")
     ax.set_title(_title(plan), fontsize=10, pad=14)
     if handles:
@@ -311,13 +318,12 @@ def plot_memory_timeline(plan: GraphPlan, path, dpi: int = 110) -> Path:
                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.7"))
     _bound_lines(ax, plan, scale, unit)
     _layer_bands(ax, plan)
-    ax.set_xlim(-0.5, n_nodes - 0.5)
+    _node_axis(ax, n_nodes)
     top = max(plan.arena_size, plan.lower_bound, 1)
     ax.set_ylim(0, top / scale * 1.08)
     persistent = stacks.get("persistent")
     if persistent is not None and persistent.min() == persistent.max() > 0:
         _squeeze_y(ax, [(0, int(persistent[0]))], top, scale, unit, "persistent tensors")
-    ax.set_xlabel("node index (execution order)")
     ax.set_ylabel(f"live bytes ({unit})")
     ax.set_title(_title(plan), fontsize=10, pad=14)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,

@@ -486,6 +486,8 @@ def test_report_counts_reuse_and_flags_large_unshared_tensors():
     assert r.ratio == 1.0
     text = str(r)
     assert "5 tensors" in text and "b" in text and "large, unshared" in text
+    assert r.unshared_bytes() == {"output": (1024, 1), "input": (64, 1)}
+    assert "bytes nobody else uses: 1.06 KiB (52% of the arena)" in text
     assert report(p, large_fraction=0).large_unshared == ("b", "x")
     table = r.table(limit=2, sort="size")
     assert table.count("\n") == 4 and "3 more" in table
