@@ -20,9 +20,11 @@ from .planner import GraphPlan, align_up
 
 FORMATS = (".png", ".svg", ".pdf")
 MAX_LABELS = 14
+INPUT_OP = "input"  # what arena.writer_ops() calls tensors the caller writes
+INPUT_COLOR = "#555555"
 # Categorical colours for writer ops; more ops than this share the last colour ("other").
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
-           "#ff9da7", "#9c755f", "#86bcb6", "#d37295", "#a0cbe8", "#8cd17d", "#bab0ac")
+           "#ff9da7", "#9c755f", "#2f4b7c", "#d37295", "#a0cbe8", "#8cd17d", "#bab0ac")
 
 
 def _check(plan, path) -> Path:
@@ -225,15 +227,17 @@ def plot_arena(plan: GraphPlan, path, color_by: str = "op", dpi: int = 110) -> P
 
 def _op_colors(rows):
     """Ops ordered by how many bytes they write (ties by name): the biggest get the most
-    distinct colours; beyond the palette they share grey as 'other'."""
+    distinct colours; beyond the palette they share light grey as 'other'. Caller-written
+    tensors ('input') are always dark grey, listed first."""
     volume: dict[str, int] = {}
     for r in rows:
         volume[r.op] = volume.get(r.op, 0) + r.size
-    ops = sorted(volume, key=lambda op: (-volume[op], op))
-    named = ops[:len(PALETTE) - 1] if len(ops) > len(PALETTE) else ops
+    ops = sorted((op for op in volume if op != INPUT_OP), key=lambda op: (-volume[op], op))
+    named = ops if len(ops) <= len(PALETTE) else ops[:len(PALETTE) - 1]
     color = {op: PALETTE[k] for k, op in enumerate(named)}
+    color[INPUT_OP] = INPUT_COLOR
     colors = [color.get(r.op, "#c7c7c7") for r in rows]
-    handles = [(op, color[op]) for op in named]
+    handles = [(INPUT_OP, INPUT_COLOR)] * (INPUT_OP in volume) + [(op, color[op]) for op in named]
     if len(named) < len(ops):
         handles.append((f"other ({len(ops) - len(named)} ops)", "#c7c7c7"))
     return colors, handles

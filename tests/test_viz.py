@@ -106,3 +106,18 @@ def test_node_layers_follow_the_outputs(big_plan):
     assert layers[0] is None and layers[-1] is None  # embed and the head
     assert layers[1] == 0 and layers[-2] == 29
     assert np.all(np.diff([x for x in layers if x is not None]) >= 0)
+
+
+def test_op_colours_stay_distinct_and_lump_the_smallest_ops():
+    from magnitude.arena import TensorRow
+    from magnitude.viz import INPUT_COLOR, PALETTE, _op_colors
+
+    rows = [TensorRow(f"t{k}", "intermediate", None, f"op{k:02d}", 0, 100 + k, (0, 0), 0)
+            for k in range(20)] + [TensorRow("x", "input", None, "input", 0, 4, (0, 0), 0)]
+    colors, handles = _op_colors(rows)
+    assert handles[0] == ("input", INPUT_COLOR) and colors[-1] == INPUT_COLOR
+    named = [label for label, _ in handles[1:-1]]
+    assert named == [f"op{k:02d}" for k in range(19, 19 - len(PALETTE) + 1, -1)]  # by bytes
+    assert handles[-1][0] == f"other ({20 - len(named)} ops)"
+    assert len({c for _, c in handles}) == len(handles)  # every legend entry its own colour
+    assert colors[0] == "#c7c7c7"  # the smallest op is lumped
