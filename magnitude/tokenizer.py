@@ -158,7 +158,8 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.n_vocab]
         if bad:
-            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary "
+                              f"(0..{self.n_vocab - 1})")
         return ids
 
     def decode(self, ids, skip_special: bool = False) -> str:

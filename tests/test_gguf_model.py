@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import gguf
 import numpy as np
 import pytest
 from gguf.quants import dequantize
@@ -225,7 +224,8 @@ FUZZ = textwrap.dedent("""
     cases = [("cut", int(n)) for n in
              {0, 1, 4, 8, 23, 24, header_end - 1, header_end, data_end - 1}
              | set(rng.integers(0, header_end, 120)) | set(rng.integers(header_end, data_end, 20))]
-    for where, count, hi_lo in (("head", 160, (0, header_end)), ("data", 20, (header_end, len(data)))):
+    for where, count, hi_lo in (("head", 160, (0, header_end)),
+                                ("data", 20, (header_end, len(data)))):
         for _ in range(count):
             pos = rng.integers(*hi_lo, size=rng.integers(1, 4))
             cases.append(("flip_" + where, [(int(p), int(rng.integers(1, 256))) for p in pos]))
