@@ -56,6 +56,12 @@ def planned_lifetimes(plan: GraphPlan) -> dict[str, tuple[int, int]]:
 def _check_bounds(plan: GraphPlan) -> None:
     """Every planned tensor: known, not a weight, aligned, inside the arena."""
     graph = plan.graph
+    for name in plan.external:
+        t = graph.tensors.get(name)
+        if t is None or t.kind == "weight":
+            what = "is not in" if t is None else "is a weight of"
+            raise PlanError(f"buffer handle {name!r} {what} graph {graph.name!r}; only "
+                            "non-weight tensors of the graph can be bound at run time")
     for name in sorted(plan.offsets):
         offset = plan.offsets[name]
         t = graph.tensors.get(name)

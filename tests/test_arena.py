@@ -298,6 +298,8 @@ def test_bind_checks_each_property_with_a_clear_error():
         arena.bind("x", misaligned)
     with pytest.raises(ValueError, match="'x'.*numpy array"):
         arena.bind("x", [0.0] * 128)
+    with pytest.raises(PlanError, match="buffer handle 'nope' is not in graph 'chain'"):
+        Arena(dataclasses.replace(p, external=("nope", "x")))
 
 
 # --- simulate -------------------------------------------------------------------------------
