@@ -209,6 +209,7 @@ def sanitize_default() -> bool:
 
 class Arena:
     """One uint8 buffer, base 64-byte aligned, holding every planned tensor of a GraphPlan.
+    It starts zeroed; with the sanitizer on, everything but persistent tensors starts as NaN.
 
     Allocated once, here; view(name) and address(name) are what the executor runs on. Bounds and
     alignment are checked here; overlaps are simulate()'s job (the sanitizer test needs an arena
@@ -235,7 +236,12 @@ class Arena:
         self._dies = self._dies_lists() if self.sanitize else None
         if self.sanitize:
             # 0xFF bytes are NaN as float32 and as float16: catches reads of never-written bytes.
+            # Persistent tensors (KV caches) keep the zeros a normal arena starts with: state the
+            # caller may rely on, and bytes nothing else ever shares.
             self.buffer.fill(0xFF)
+            for name in sorted(self.plan.offsets):
+                if self.plan.graph.tensors[name].kind == "persistent":
+                    self.view(name).view(np.uint8).fill(0)
 
     def _dies_lists(self) -> list[tuple[str, ...]]:
         """Per node, the planned tensors whose bytes are dead once that node has run."""

@@ -441,6 +441,14 @@ def test_sanitizer_switch_follows_the_environment(monkeypatch):
     monkeypatch.setenv("MAGNITUDE_SANITIZE", "1")
     assert Arena(p).sanitize and np.isnan(Arena(p).view("a")).all()
     assert not Arena(p, sanitize=False).sanitize
+    g = Graph("state")
+    g.add_tensor("x", (4, 16), kind="input")
+    g.add_tensor("cache", (8, 16), "f16", kind="persistent")
+    g.add_tensor("y", (4, 16), kind="output")
+    g.add_node("f", ["x", "cache"], ["y"])
+    arena = Arena(plan(g))
+    assert np.isnan(arena.view("x")).all() and np.isnan(arena.view("y")).all()
+    assert (arena.view("cache") == 0).all()  # state starts zeroed, as in a normal arena
     monkeypatch.setenv("MAGNITUDE_SANITIZE", "0")
     arena = Arena(p)
     assert not arena.sanitize
