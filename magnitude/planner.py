@@ -97,7 +97,8 @@ def liveness(graph: Graph) -> dict[str, tuple[int, int]]:
             last[name] = max(last.get(name, i), i)
         for name in node.inputs:
             if name in first:  # weights have no entry
-                last[name] = i
+                # max, not assignment: a persistent tensor read mid-graph still lives to the end
+                last[name] = max(last[name], i)
     for t in graph.tensors.values():
         if t.kind == "output":
             last[t.name] = end
