@@ -597,6 +597,10 @@ static inline __attribute__((always_inline)) void MG_SFX(mg_gemv8)(
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wp = w + b * wb, *xp = x + b * xb;
+        /* 8 row streams advancing 20-34 bytes a block are too slow for the hardware prefetcher
+           to run far enough ahead: 384 bytes ahead measured best (Q4_1 from DRAM 8.1 -> 11 GB/s,
+           256: 10.6, 768: 9.8); prefetches past the matrix end are harmless */
+        for (int r = 0; r < 8; r++) _mm_prefetch((const char *)(wp + r * rb + 384), _MM_HINT_T0);
         __m256i si = MG_SFX(mg_sumi8_direct)(qtype, wp, rb, xp);
         __m256 d, m;
         MG_SFX(mg_scales8)(wp, idx, &d, &m);
