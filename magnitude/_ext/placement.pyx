@@ -161,6 +161,12 @@ cdef class CanonicalSearch:
     cdef i64 *best
     cdef i64 *mark
     cdef i64 *cuts  # per section boundary s|s+1: unplaced buffers that cross it
+    # Each section's member list keeps its unplaced buffers first (n_live[s] of them): placing
+    # swaps the buffer behind them, and since the search undoes in reverse order, unplacing is
+    # just n_live[s] += 1. where[pos_ptr[b] + s - sec_lo[b]] is b's slot in section s.
+    cdef i64 *n_live
+    cdef i64 *pos_ptr
+    cdef i64 *where
     cdef i64 *all
     cdef i64 *affected
     cdef i64 stamp
@@ -189,11 +195,16 @@ cdef class CanonicalSearch:
         sec_total = np.array([int(sizes[s].sum()) for s in members], dtype=np.int64)
         ov_ptr, ov_idx = _overlaps(sec_lo, sec_hi, members, n)
         state = [np.zeros(n, dtype=np.int64) for _ in range(6)]
+        pos_ptr = np.zeros(n + 1, dtype=np.int64)
+        pos_ptr[1:] = np.cumsum(sec_hi - sec_lo)
+        where = np.zeros(max(int(pos_ptr[-1]), 1), dtype=np.int64)
+        sec_of = np.repeat(np.arange(m, dtype=np.int64), np.diff(sm_ptr))
+        where[pos_ptr[sm_idx] + sec_of - sec_lo[sm_idx]] = np.arange(len(sm_idx))
         width = np.asarray(end, dtype=np.int64) - np.asarray(start, dtype=np.int64)
         area = width * sizes
-        sec_state = [np.zeros(max(m, 1), dtype=np.int64) for _ in range(4)]
+        sec_state = [np.zeros(max(m, 1), dtype=np.int64) for _ in range(5)]
         self._keep = [sizes, sec_lo, sec_hi, sm_ptr, sm_idx, sec_total, ov_ptr, ov_idx,
-                      state, sec_state, width, area]
+                      state, sec_state, width, area, pos_ptr, where]
         self.n = n
         self.m = m
         self.size = _ptr(sizes)
@@ -213,6 +224,9 @@ cdef class CanonicalSearch:
         self.total = _ptr(sec_state[1])
         self.mark = _ptr(sec_state[2])
         self.cuts = _ptr(sec_state[3])
+        self.n_live = _ptr(sec_state[4])
+        self.pos_ptr = _ptr(pos_ptr)
+        self.where = _ptr(where)
         self.all = _ptr(state[5])
         self.width = _ptr(width)
         self.area = _ptr(area)
@@ -242,6 +256,7 @@ cdef class CanonicalSearch:
             self.offset[i] = -1
             self.min_off[i] = 0
         for i in range(self.m):
+            self.n_live[i] = self.sm_ptr[i + 1] - self.sm_ptr[i]
             self.floor[i] = 0
             self.total[i] = self.sec_total0[i]
             self.mark[i] = 0
@@ -294,7 +309,7 @@ cdef class CanonicalSearch:
         unplaced min offset rose. Returns 1 when no unplaced buffer overlaps b ("hatless"),
         0 otherwise, -1 when out of memory."""
         cdef i64 height = self.offset[b] + self.size[b]
-        cdef i64 k, o, s, lo, j, n_aff = 0
+        cdef i64 k, o, s, lo, j, n_aff = 0, slot, last
         cdef int hatless = 1
         self.stamp += 1
         for s in range(self.sec_lo[b], self.sec_hi[b]):
@@ -303,6 +318,14 @@ cdef class CanonicalSearch:
             if height > self.floor[s]:
                 self.floor[s] = height
             self.total[s] -= self.size[b]
+            slot = self.where[self.pos_ptr[b] + s - self.sec_lo[b]]
+            last = self.sm_ptr[s] + self.n_live[s] - 1
+            o = self.sm_idx[last]
+            self.sm_idx[slot] = o
+            self.where[self.pos_ptr[o] + s - self.sec_lo[o]] = slot
+            self.sm_idx[last] = b
+            self.where[self.pos_ptr[b] + s - self.sec_lo[b]] = last
+            self.n_live[s] -= 1
         for k in range(self.ov_ptr[b], self.ov_ptr[b + 1]):
             o = self.ov_idx[k]
             if self.offset[o] >= 0:
@@ -322,9 +345,9 @@ cdef class CanonicalSearch:
         for j in range(n_aff):
             s = self.affected[j]
             lo = -1
-            for k in range(self.sm_ptr[s], self.sm_ptr[s + 1]):
+            for k in range(self.sm_ptr[s], self.sm_ptr[s] + self.n_live[s]):
                 o = self.sm_idx[k]
-                if self.offset[o] < 0 and (lo < 0 or self.min_off[o] < lo):
+                if lo < 0 or self.min_off[o] < lo:
                     lo = self.min_off[o]
                     if lo <= self.floor[s]:
                         break  # the floor stays
@@ -397,6 +420,7 @@ cdef class CanonicalSearch:
             self.restore(top)
             for h in range(self.sec_lo[b], self.sec_hi[b]):
                 self.total[h] += self.size[b]
+                self.n_live[h] += 1  # b still sits right behind the live members
             self.offset[b] = -1
             if status != NOT_FOUND:
                 free(cand)
