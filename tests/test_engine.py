@@ -1,0 +1,201 @@
+"""End to end on the real SmolLM2 model: our planned, integer-kernel forward pass against a
+float numpy reference, generation, sampling, the debug modes, and bad input."""
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import magnitude
+from magnitude import ConfigError, ContextLengthError
+from magnitude.engine import EngineConfig, _Sampler
+from reference import reference_logits
+
+PASSAGE = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors in "
+    "Europe built wooden machines that riders pushed along with their feet. Pedals attached "
+    "to the front wheel came decades later, and the tall penny-farthing followed, fast but "
+    "dangerous. The safety bicycle, with two wheels of equal size and a chain driving the "
+    "rear wheel, changed everything in the 1880s. Pneumatic tyres made the ride smooth, and "
+    "within a few years millions of people in cities and villages could travel further than "
+    "ever before without a horse. Women in particular found a new freedom, and the bicycle "
+    "became a symbol of independence. Today engineers still refine frames, gears and brakes, "
+    "yet the basic shape has hardly changed in more than a century."
+)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return magnitude.load(model_path, threads=2, max_context_length=512)
+
+
+@pytest.fixture(scope="module")
+def passage_ids(engine):
+    ids = engine.tokenizer.encode(PASSAGE)
+    assert len(ids) >= 150
+    return ids[:150]
+
+
+def test_logits_match_float_reference(engine, model_file, passage_ids):
+    ours = engine.eval_logits(passage_ids)  # [150, n_vocab]
+    ref = reference_logits(model_file, passage_ids)
+    assert ours.shape == ref.shape == (150, engine.hparams.n_vocab)
+    agree = ours.argmax(1) == ref.argmax(1)
+    # INT8 activations (per 32-value block, as llama.cpp does) cost a little precision. On
+    # this model that flips the top-1 token wherever the float reference itself is nearly
+    # undecided (its two best logits within ~0.2 of each other, about 1 position in 5); a
+    # numpy emulation of the same quantization flips as many. So: exact agreement where the
+    # reference is decided, and elsewhere our choice is one the reference also rates top.
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 0.25
+    assert decided.sum() >= 100
+    assert agree[decided].mean() >= 0.99, f"top-1 agreement where decided {agree[decided].mean():.3f}"
+    assert agree.mean() >= 0.90, f"top-1 agreement {agree.mean():.3f}"
+    spread = ref.std(axis=1)
+    our_pick = ref[np.arange(len(ref)), ours.argmax(1)]
+    assert ((ref.max(1) - our_pick) < 0.1 * spread).all()
+    err = np.abs(ours - ref).max(axis=1)
+    assert (err < 0.5 * spread).all(), f"worst error/spread {(err / spread).max():.3f}"
+
+
+def test_prefill_chunks_match_one_pass(model_path, engine, passage_ids):
+    # Chunked prefill (16 tokens at a time) must give the same logits as one pass.
+    chunked = magnitude.load(model_path, threads=2, max_context_length=512, prefill_chunk=16)
+    a = chunked.eval_logits(passage_ids[:40])
+    b = engine.eval_logits(passage_ids[:40])
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_one_and_two_threads_agree(model_path, engine, passage_ids):
+    single = magnitude.load(model_path, threads=1, max_context_length=512)
+    np.testing.assert_array_equal(single.eval_logits(passage_ids[:20]),
+                                  engine.eval_logits(passage_ids[:20]))
+
+
+def test_greedy_generation_is_deterministic_and_sensible(engine):
+    a = engine.generate("The capital of France is", max_new_tokens=12)
+    b = engine.generate("The capital of France is", max_new_tokens=12)
+    assert a.output_tokens == b.output_tokens
+    assert "Paris" in a.text
+    assert a.prompt_tokens == 5 and 1 <= len(a.output_tokens) <= 12
+    assert a.arena_bytes >= a.arena_lower_bound > 0
+    assert a.kv_bytes > 0 and a.peak_memory_bytes > a.arena_bytes
+
+
+def test_decode_matches_teacher_forced_logits(engine):
+    # Greedy decode step by step must pick what the all-positions pass picks.
+    r = engine.generate("Once upon a time", max_new_tokens=8, stop_at_eos=False)
+    ids = engine.tokenizer.encode("Once upon a time") + r.output_tokens
+    logits = engine.eval_logits(ids[:-1])
+    n_prompt = r.prompt_tokens
+    assert list(logits[n_prompt - 1:].argmax(1)) == r.output_tokens
+
+
+def test_stream_yields_the_text(engine):
+    stream = engine.stream("Write a haiku about rain.", max_new_tokens=20, chat=True)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text
+    assert len(pieces) > 1
+
+
+def test_chat_stops_at_end_of_turn(engine):
+    r = engine.generate("What is 2+2? Answer with one number.", max_new_tokens=64, chat=True)
+    assert r.stop_reason == "eos"
+    assert r.output_tokens[-1] in engine.tokenizer.eot_ids
+    assert "4" in r.text
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    opts = dict(max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.95, stop_at_eos=False)
+    a = engine.generate("My favourite food is", seed=7, **opts)
+    b = engine.generate("My favourite food is", seed=7, **opts)
+    assert a.output_tokens == b.output_tokens
+    greedy = engine.generate("My favourite food is", max_new_tokens=10, stop_at_eos=False)
+    top1 = engine.generate("My favourite food is", seed=3, temperature=1.0, top_k=1,
+                           max_new_tokens=10, stop_at_eos=False)
+    assert top1.output_tokens == greedy.output_tokens
+
+
+def test_sampler_respects_top_k_and_top_p():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    rng = np.random.default_rng(0)
+    k2 = {_Sampler(1.0, 2, 1.0, rng)(logits) for _ in range(300)}
+    assert k2 == {0, 1}
+    p = {_Sampler(1.0, 0, 0.6, rng)(logits) for _ in range(300)}
+    assert p == {0, 1}  # 0.5 < 0.6 needs the second token, and no more
+
+
+def test_decode_step_allocates_nothing(engine):
+    decode = engine._executor(1)
+    engine.eval_logits([1, 2, 3])
+    decode.run((5,), 3, engine.threads)  # warm
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for pos in range(4, 40):
+        decode.run((5,), pos, engine.threads)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename") if s.size_diff > 0)
+    assert grown < 4096, f"decode steps allocated {grown} bytes"
+
+
+@pytest.mark.parametrize("mode", ["sanitize", "preserve_all"])
+def test_debug_modes_give_identical_logits(model_path, engine, passage_ids, mode):
+    # sanitize poisons every tensor's bytes once it is dead: identical logits prove that no
+    # kernel reads a tensor after the plan gave its bytes to another.
+    other = magnitude.load(model_path, threads=2, max_context_length=512, **{mode: True})
+    ids = passage_ids[:24]
+    np.testing.assert_array_equal(other.eval_logits(ids), engine.eval_logits(ids))
+    np.testing.assert_array_equal(
+        other.generate(ids, max_new_tokens=4, stop_at_eos=False).output_tokens,
+        engine.generate(ids, max_new_tokens=4, stop_at_eos=False).output_tokens)
+
+
+def test_preserve_all_shares_nothing(model_path):
+    eng = magnitude.load(model_path, threads=1, max_context_length=64, preserve_all=True)
+    plan = eng.plan_for(1)
+    assert plan.arena_size >= sum(plan.sizes.values())
+
+
+def test_decode_arena_is_near_its_lower_bound(engine):
+    plan = engine.plan_for(1)
+    assert plan.arena_size <= 1.05 * plan.lower_bound
+    assert not set(plan.external) & set(plan.offsets)  # KV caches live outside the arena
+
+
+def test_prompt_longer_than_context(model_path):
+    eng = magnitude.load(model_path, threads=1, max_context_length=32)
+    long_prompt = " ".join(["word"] * 60)
+    with pytest.raises(ContextLengthError, match="32"):
+        eng.generate(long_prompt, max_new_tokens=4)
+    trunc = magnitude.load(model_path, threads=1, max_context_length=32, truncate_prompt=True)
+    r = trunc.generate(long_prompt, max_new_tokens=4, stop_at_eos=False)
+    assert r.prompt_tokens < 32 and len(r.output_tokens) >= 1
+
+
+def test_generation_stops_when_the_context_is_full(model_path):
+    eng = magnitude.load(model_path, threads=1, max_context_length=16)
+    r = eng.generate("one two three four five", max_new_tokens=100, stop_at_eos=False)
+    assert r.stop_reason == "context"
+    assert r.prompt_tokens + len(r.output_tokens) == 16 + 1  # the last token needs no KV slot
+
+
+@pytest.mark.parametrize("bad", [dict(threads=0), dict(threads="2"), dict(kv_dtype="q8"),
+                                 dict(max_context_length=1), dict(prefill_chunk=100)])
+def test_bad_config_is_named(bad):
+    with pytest.raises(ConfigError, match=str(next(iter(bad.values())))):
+        EngineConfig(**bad)
+
+
+def test_bad_generation_options(engine):
+    with pytest.raises(ConfigError, match="temperature"):
+        engine.generate("hi", temperature=-1)
+    with pytest.raises(ConfigError, match="top_p"):
+        engine.generate("hi", temperature=1, top_p=0)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        engine.generate("hi", max_new_tokens=0)
+    with pytest.raises(ConfigError, match="49152"):
+        engine.generate([1, 49152])
+    with pytest.raises(ConfigError, match="empty"):
+        engine.generate([])
