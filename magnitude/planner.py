@@ -41,6 +41,9 @@ STRATEGIES = ("naive", "linear", "greedy_by_size", "greedy_by_breadth", "best")
 # The search builds per-buffer overlap lists; past this many overlapping pairs it would cost
 # more memory and set-up time than it can win back, and `best` keeps the portfolio result.
 MAX_SEARCH_PAIRS = 4_000_000
+# The search recurses in C a few frames per placed buffer (about 1.5 MB of stack at this
+# size, well inside the 8 MB a thread gets by default on Linux).
+MAX_SEARCH_BUFFERS = 3000
 
 
 @dataclass(frozen=True)
@@ -358,8 +361,8 @@ def _best(p: _Problem, capacity_u, deadline: float) -> np.ndarray:
         arena = p.arena(offsets)
         if best is None or arena < best_arena:
             best, best_arena = offsets, arena
-    if _done(best_arena, p.lower_bound, capacity_u) or _core is None or _pairs(p) > \
-            MAX_SEARCH_PAIRS:
+    if (_done(best_arena, p.lower_bound, capacity_u) or _core is None
+            or p.n > MAX_SEARCH_BUFFERS or _pairs(p) > MAX_SEARCH_PAIRS):
         return best
     active = p.size > 0  # zero-size buffers take no bytes: offset 0, left out of the search
     idx = np.flatnonzero(active)
@@ -422,4 +425,17 @@ def _decide(search, capacity_u: int, deadline: float):
 def _expand(p: _Problem, idx, found) -> np.ndarray:
     offsets = np.zeros(p.n, dtype=np.int64)
     offsets[idx] = found
+    assert _disjoint(p, offsets), "canonical search returned overlapping buffers"
     return offsets
+
+
+def _disjoint(p: _Problem, offsets) -> bool:
+    """No two buffers live at the same node share a byte (checked per buffer, vectorized)."""
+    top = offsets + p.size
+    for b in range(p.n):
+        clash = ((p.start < p.end[b]) & (p.start[b] < p.end) & (offsets < top[b])
+                 & (offsets[b] < top) & (p.size > 0))
+        clash[b] = False
+        if p.size[b] > 0 and clash.any():
+            return False
+    return True
