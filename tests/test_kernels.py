@@ -223,6 +223,26 @@ def test_threads_give_identical_results(qtype):
         np.testing.assert_array_equal(K.matmul(w, qtype, x, n_threads=n), one)
 
 
+@SETTINGS
+@given(qtype=st.sampled_from(sorted(GGML)), rows=st.integers(1, 30), T=st.integers(1, 20),
+       data=st.data())
+def test_any_row_range_matches_the_full_product(qtype, rows, T, data):
+    """The executor's threads call mg_matmul on arbitrary [r0, r1): same bits, nothing else
+    written."""
+    r0 = data.draw(st.integers(0, rows))
+    r1 = data.draw(st.integers(r0, rows))
+    rng = np.random.default_rng(rows * 100 + T)
+    w = make_weights(rng, rows, 64, qtype)
+    xq = K.quantize_for(qtype, rng.standard_normal((T, 64)).astype(np.float32))
+    full = K.matmul_q(w, qtype, xq)
+    for path in PATHS:
+        K.set_kernel_path(path)
+        y = np.full((T, rows), np.nan, dtype=np.float32)
+        _k.matmul_rows(K.QTYPES[qtype], w, 64, xq, y, r0, r1)
+        np.testing.assert_array_equal(y[:, r0:r1], full[:, r0:r1], err_msg=path)
+        assert np.isnan(y[:, :r0]).all() and np.isnan(y[:, r1:]).all()
+
+
 def test_matmul_q_writes_into_out_and_1d_input():
     rng = np.random.default_rng(3)
     w = make_weights(rng, 24, 64, "q4_1")

@@ -155,6 +155,20 @@ def matmul_q(int qtype, const uint8_t[:, ::1] w, int64_t cols, const uint8_t[:, 
                        &y[0, 0], rows, rows, nt)
 
 
+def matmul_rows(int qtype, const uint8_t[:, ::1] w, int64_t cols, const uint8_t[:, ::1] xq,
+                float[:, ::1] y, int64_t r0, int64_t r1):
+    """mg_matmul on rows [r0, r1) only, as the executor calls it from each of its threads."""
+    if not 0 <= r0 <= r1 <= w.shape[0]:
+        raise ValueError(f"row range [{r0}, {r1}) is not inside [0, {w.shape[0]}]")
+    matmul_q(qtype, w, cols, xq[:0], y[:0])  # its shape checks; zero tokens computes nothing
+    if y.shape[0] != xq.shape[0]:
+        raise ValueError(f"out has {y.shape[0]} rows for {xq.shape[0]} activation rows")
+    if r1 > r0 and xq.shape[0]:
+        with nogil:
+            mg_matmul(qtype, &w[0, 0], w.shape[1], cols, &xq[0, 0], xq.shape[1], xq.shape[0],
+                      &y[0, 0], y.shape[1], r0, r1)
+
+
 def block_sums(int qtype, const uint8_t[:, ::1] w, const uint8_t[::1] x):
     """Test hook: int32 [8, nb] block sums of 8 weight rows against one activation row, as the
     selected kernel path computes them."""

@@ -659,7 +659,20 @@ static inline __attribute__((always_inline)) void MG_SFX(mg_rows)(
         for (int64_t t = 0; t < T; t += MG_NT)
             MG_SFX(mg_tile8)(qtype, w + r * row_bytes, row_bytes, xq + t * xq_stride, xq_stride,
                              T - t < MG_NT ? T - t : MG_NT, nb, y + t * ldy + r, ldy);
-    for (; r < r1; r++)
+    if (r < r1 && r1 >= 8) {
+        /* the last < 8 rows: run the 8-row pass on rows [r1-8, r1) (they exist, and a row's
+           result does not depend on its group) into a scratch tile, keep rows [r, r1) */
+        float tmp[MG_NT * 8];
+        const uint8_t *wl = w + (r1 - 8) * row_bytes;
+        for (int64_t t = 0; t < T; t += MG_NT) {
+            int64_t nt = T - t < MG_NT ? T - t : MG_NT;
+            MG_SFX(mg_tile8)(qtype, wl, row_bytes, xq + t * xq_stride, xq_stride, nt, nb, tmp, 8);
+            for (int64_t i = 0; i < nt; i++)
+                for (int64_t q = r; q < r1; q++) y[(t + i) * ldy + q] = tmp[i * 8 + q - (r1 - 8)];
+        }
+        return;
+    }
+    for (; r < r1; r++) /* fewer than 8 rows in the whole matrix */
         for (int64_t t = 0; t < T; t++)
             y[t * ldy + r] = mg_dot_row_scalar(qtype, w + r * row_bytes, xq + t * xq_stride, nb);
 }
