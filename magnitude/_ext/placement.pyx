@@ -197,7 +197,7 @@ cdef class CanonicalSearch:
         state = [np.zeros(n, dtype=np.int64) for _ in range(6)]
         pos_ptr = np.zeros(n + 1, dtype=np.int64)
         pos_ptr[1:] = np.cumsum(sec_hi - sec_lo)
-        where = np.zeros(max(int(pos_ptr[-1]), 1), dtype=np.int64)
+        where = np.zeros(max(int(pos_ptr[n]), 1), dtype=np.int64)
         sec_of = np.repeat(np.arange(m, dtype=np.int64), np.diff(sm_ptr))
         where[pos_ptr[sm_idx] + sec_of - sec_lo[sm_idx]] = np.arange(len(sm_idx))
         width = np.asarray(end, dtype=np.int64) - np.asarray(start, dtype=np.int64)
