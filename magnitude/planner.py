@@ -344,29 +344,36 @@ _STRATEGY_ORDER = {
 
 # -- best: portfolio, then search ---------------------------------------------------------------
 
-def _portfolio(p: _Problem) -> list[np.ndarray]:
-    """Orders for best-fit placement, the TFLite one first. Each catches shapes the others miss:
-    long-lived buffers first (residual streams), area (bytes x time), the busiest node first."""
-    width = p.end - p.start
-    return [
-        _size_order(p),
-        _breadth_order(p),
-        _by(-p.size * width, -p.size, p.start, p.id_rank),
-        _by(-width, -p.size, p.start, p.id_rank),
-        _by(p.start, -p.size, p.id_rank),
-    ]
+def _by_area(p: _Problem) -> np.ndarray:
+    return _by(-p.size * (p.end - p.start), -p.size, p.start, p.id_rank)
+
+
+def _by_width(p: _Problem) -> np.ndarray:
+    return _by(-(p.end - p.start), -p.size, p.start, p.id_rank)
+
+
+def _by_start(p: _Problem) -> np.ndarray:
+    return _by(p.start, -p.size, p.id_rank)
+
+
+# Orders for best-fit placement, the TFLite one first and the cheap ones before the breadth
+# order (which costs the most to compute). Each catches shapes the others miss: the busiest
+# node first, area (bytes x time), long-lived buffers first (residual streams), time order.
+_PORTFOLIO = (_size_order, _by_area, _by_width, _by_start, _breadth_order)
 
 
 def _best(p: _Problem, capacity_u, deadline: float) -> np.ndarray:
     """Smallest arena found: the best portfolio plan (ties: earlier in the portfolio, so never
     worse than greedy_by_size), improved by the canonical search while time remains."""
     best, best_arena = None, None
-    for order in _portfolio(p):
-        offsets = _best_fit(p, order)
+    for make_order in _PORTFOLIO:
+        offsets = _best_fit(p, make_order(p))
         arena = p.arena(offsets)
         if best is None or arena < best_arena:
             best, best_arena = offsets, arena
-    if (_done(best_arena, p.lower_bound, capacity_u) or _core is None
+        if _done(best_arena, p.lower_bound, capacity_u):
+            return best
+    if (_core is None
             or p.n > MAX_SEARCH_BUFFERS or _pairs(p) > MAX_SEARCH_PAIRS):
         return best
     active = p.size > 0  # zero-size buffers take no bytes: offset 0, left out of the search

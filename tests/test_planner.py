@@ -149,8 +149,22 @@ def test_compiled_placement_matches_the_python_oracle(buffers, strategy):
     core, planner._core = planner._core, None
     try:
         assert place(buffers, 1, strategy) == compiled
+        portfolio_only = place(buffers, 1, "best")  # without the core: no search
+        check_plan(buffers, portfolio_only, 1)
+        assert portfolio_only.arena_size <= compiled.arena_size or strategy != "greedy_by_size"
     finally:
         planner._core = core
+
+
+def test_best_stops_at_the_first_plan_that_is_good_enough():
+    # Greedy by size already reaches the lower bound here, or fits the capacity: best returns
+    # that very plan instead of searching.
+    greedy = place(SEVEN, strategy="greedy_by_size")
+    assert place(SEVEN, strategy="best", time_limit_s=0).offsets == greedy.offsets
+    bufs = [Buffer(i, 64 * (i % 5 + 1), i % 7, i % 7 + i % 3) for i in range(30)]
+    greedy = place(bufs, strategy="greedy_by_size")
+    roomy = place(bufs, strategy="best", capacity=greedy.arena_size, time_limit_s=0)
+    assert roomy.fits and roomy.offsets == greedy.offsets
 
 
 @FAST

@@ -186,7 +186,7 @@ cdef class CanonicalSearch:
 
     def __init__(self, const i64[::1] size, const i64[::1] start, const i64[::1] end):
         n = size.shape[0]
-        sizes = np.ascontiguousarray(size, dtype=np.int64)
+        sizes = np.array(size, dtype=np.int64)  # a copy: the caller's array may be read-only
         sec_lo, sec_hi, members = _sections(np.asarray(start), np.asarray(end))
         m = len(members)
         sm_ptr = np.zeros(m + 1, dtype=np.int64)
