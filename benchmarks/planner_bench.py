@@ -71,7 +71,7 @@ def corpus_table(names, time_limit):
 def transformer_graph(seed):
     """A random transformer-like graph: a residual stream through N layers, each with short-
     lived per-op tensors (norms, q/k/v, attention scratch, MLP), a persistent KV cache, and
-    a few random extra temporaries so no two graphs pack the same way."""
+    random extra tensors so no two graphs pack the same way."""
     rng = np.random.default_rng(seed)
     n_layers = int(rng.integers(4, 31))
     n_tok = int(rng.choice([1, 8, 32, 128, 512]))
@@ -111,6 +111,10 @@ def transformer_graph(seed):
         g.add_node("matmul", [w("wo", d, d), aq], [o])
         x1 = t("resid_attn", (n_tok, d))
         g.add_node("add", [x, o], [x1])
+        # A side tensor of random size living across the MLP (a gate statistic, a mask):
+        # it keeps the packing from being a plain chain.
+        side = t("side", (int(rng.integers(1, 4 * d_ff // 32 + 1)) * 32,))
+        g.add_node("side", [x1], [side])
         h2 = t("ffn_norm", (n_tok, d))
         g.add_node("rms_norm", [x1], [h2])
         h2q = t("ffn_in_q8", (n_tok, d), "q8_0")
@@ -126,7 +130,7 @@ def transformer_graph(seed):
         down = t("down", (n_tok, d))
         g.add_node("matmul", [w("wd", d, d_ff), actq], [down])
         x = t("resid_ffn", (n_tok, d))
-        g.add_node("add", [x1, down], [x])
+        g.add_node("add", [x1, down, side], [x])
     g.add_tensor("logits", (n_tok, 1000), "f32", "output")
     g.add_node("matmul", ["embd", x], ["logits"])
     return g, (n_layers, n_tok, d, d_ff)
