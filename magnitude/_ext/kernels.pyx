@@ -38,8 +38,10 @@ cdef extern from "mg_kernels.h" nogil:
                       int64_t h0, int64_t h1)
     void mg_f32_to_f16(const float *x, uint16_t *y, int64_t n)
 
-# HAVE_OPENMP is a compile-time name (setup.py's compile_time_env), so it cannot be rebound here
+# HAVE_OPENMP is a compile-time name (setup.py's compile_time_env): a plain assignment to it does
+# not compile, so the module attribute of that name is set through globals()
 OPENMP = HAVE_OPENMP
+globals()["HAVE_OPENMP"] = OPENMP
 
 PATH_NAMES = ("scalar", "avx2", "avxvnni", "avx512vnni")
 QTYPES = {"q4_0": MG_Q4_0, "q4_1": MG_Q4_1, "q8_0": MG_Q8_0}
