@@ -356,9 +356,10 @@ def _by_start(p: _Problem) -> np.ndarray:
     return _by(p.start, -p.size, p.id_rank)
 
 
-# Orders for best-fit placement, the TFLite one first and the cheap ones before the breadth
-# order (which costs the most to compute). Each catches shapes the others miss: the busiest
-# node first, area (bytes x time), long-lived buffers first (residual streams), time order.
+# Orders for best-fit placement: the TFLite one first (so `best` is never worse), then orders
+# that catch shapes it misses: area (bytes x time), long-lived first (residual streams), time
+# order, and last the busiest node first (the costliest to compute). Stops at the first plan
+# that is good enough.
 _PORTFOLIO = (_size_order, _by_area, _by_width, _by_start, _breadth_order)
 
 

@@ -253,7 +253,6 @@ cdef class CanonicalSearch:
         cdef int status
         self.heuristic = HEURISTICS.index(heuristic)
         for i in range(self.n):
-            self.offset[i] = -1
             self.min_off[i] = 0
         for i in range(self.m):
             self.n_live[i] = self.sm_ptr[i + 1] - self.sm_ptr[i]
@@ -266,6 +265,8 @@ cdef class CanonicalSearch:
         self.nodes = 0
         self.node_limit = node_limit
         self.deadline = deadline
+        # The search undoes every change on its way back, whatever ended it; this reset makes a
+        # run independent of the previous one all the same.
         for i in range(self.m - 1):
             self.cuts[i] = 0
         for i in range(self.n):
