@@ -140,6 +140,31 @@ def test_best_finds_the_exact_optimum_on_tiny_cases(rows):
     assert plan.arena_size == brute_force_optimum(buffers, 1)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5), st.integers(0, 4)),
+                min_size=1, max_size=6),
+       st.sampled_from(["WAT", "TAW", "TWA"]))
+def test_canonical_search_is_sound_and_complete(rows, heuristic):
+    # Straight at the compiled search: at the brute-force optimum it must find a valid
+    # packing, one byte below it must prove there is none.
+    if planner._core is None:
+        pytest.skip("compiled placement core not built")
+    buffers = [Buffer(i, s, f, f + d) for i, (s, f, d) in enumerate(rows)]
+    optimum = brute_force_optimum(buffers, 1)
+    search = planner._core.CanonicalSearch(np.array([b.size for b in buffers]),
+                                           np.array([b.first for b in buffers]),
+                                           np.array([b.last + 1 for b in buffers]))
+    far = 1e18  # no deadline: the node limit alone bounds these tiny searches
+    status, offsets = search.run(optimum, heuristic, far, 10**6)
+    assert status == "found"
+    plan = planner.Plan({b.id: int(o) for b, o in zip(buffers, offsets)},
+                        max(int(o) + b.size for b, o in zip(buffers, offsets)),
+                        lower_bound(buffers, 1), "search")
+    check_plan(buffers, plan, 1)
+    assert plan.arena_size <= optimum
+    assert search.run(optimum - 1, heuristic, far, 10**6) == ("infeasible", None)
+
+
 @FAST
 @given(buffer_sets, st.sampled_from(["linear", "greedy_by_size", "greedy_by_breadth"]))
 def test_compiled_placement_matches_the_python_oracle(buffers, strategy):
