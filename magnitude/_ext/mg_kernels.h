@@ -29,7 +29,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+/* MG_NO_SIMD: build the portable scalar path only (what non-x86 and non-GCC compilers get) */
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__)) && \
+    !defined(MG_NO_SIMD)
 #define MG_X86 1
 #include <immintrin.h>
 #else
@@ -424,9 +426,8 @@ static void mg_attention(const float *q, const void *k_cache, const void *v_cach
                          int64_t kv_stride, int64_t n_pos, int64_t n_head, int64_t n_kv_head,
                          int64_t head_dim, float scale, float *out, float *scratch, int64_t h0,
                          int64_t h1) {
-    int simd = 0;
 #if MG_X86
-    simd = mg_kernel_path() != MG_PATH_SCALAR;
+    int simd = mg_kernel_path() != MG_PATH_SCALAR;
 #endif
     int64_t group = n_head / n_kv_head;
     int64_t esize = kv_f16 ? 2 : 4;
