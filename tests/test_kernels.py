@@ -243,6 +243,24 @@ def test_any_row_range_matches_the_full_product(qtype, rows, T, data):
         assert np.isnan(y[:, :r0]).all() and np.isnan(y[:, r1:]).all()
 
 
+@pytest.mark.parametrize("qtype", sorted(GGML))
+def test_long_rows_match_oracle_and_scalar(qtype):
+    """Rows of more than 512 blocks take the GEMV branch that converts activation scales in
+    place rather than up front."""
+    rng = np.random.default_rng(11)
+    cols = 32 * 515
+    w = make_weights(rng, 9, cols, qtype)
+    xq = K.quantize_for(qtype, rng.standard_normal((1, cols)).astype(np.float32))
+    ref, mag = ref_matmul(w, qtype, xq)
+    K.set_kernel_path("scalar")
+    scalar = K.matmul_q(w, qtype, xq)
+    for path in PATHS:
+        K.set_kernel_path(path)
+        y = K.matmul_q(w, qtype, xq)
+        np.testing.assert_array_equal(y, scalar, err_msg=path)
+    np.testing.assert_array_less(np.abs(scalar - ref), 1e-6 * 520 * mag)
+
+
 def test_matmul_q_writes_into_out_and_1d_input():
     rng = np.random.default_rng(3)
     w = make_weights(rng, 24, 64, "q4_1")
