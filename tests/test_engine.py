@@ -67,9 +67,18 @@ def test_prefill_chunks_match_one_pass(model_path, engine, passage_ids):
 
 
 def test_one_and_two_threads_agree(model_path, engine, passage_ids):
+    # Each output element is computed by one thread in the same order whatever the thread
+    # count, so the results are identical; a missing barrier would show up as a difference.
     single = magnitude.load(model_path, threads=1, max_context_length=512)
     np.testing.assert_array_equal(single.eval_logits(passage_ids[:20]),
                                   engine.eval_logits(passage_ids[:20]))
+    decode_1, decode_2 = single._executor(1), engine._executor(1)
+    single.eval_logits(passage_ids[:20])
+    engine.eval_logits(passage_ids[:20])
+    for pos, tok in enumerate(passage_ids[20:40], start=20):
+        np.testing.assert_array_equal(decode_1.run((tok,), pos, 1),
+                                      decode_2.run((tok,), pos, 2))
+    assert decode_2.n_barriers < len(decode_2.graph.nodes)
 
 
 def test_greedy_generation_is_deterministic_and_sensible(engine):

@@ -13,6 +13,7 @@ Safety: bounds checks are off. Every pointer and size here was checked in Python
 """
 from cython.parallel cimport parallel
 from libc.stdint cimport int64_t, uint8_t, uint16_t, int32_t
+from libc.math cimport NAN
 from libc.stdlib cimport calloc, free
 
 cdef extern from *:
@@ -68,6 +69,7 @@ cdef struct Op:
     int kind
     int qtype          # weight type (MATMUL, EMBED) or activation type (QUANTIZE: 8 q8_0, 9 q8_1)
     int flag           # RMSNORM: last row only; KV_WRITE/ATTENTION: f16 cache
+    int sync           # 1: all threads meet after this op (the executor decides, see there)
     int64_t fixed_tok  # > 0: the op always covers this many token rows, else the run's n_tok
     char *a            # first input
     char *b            # second input (weight for MATMUL/RMSNORM/EMBED, K cache for ATTENTION)
@@ -122,8 +124,13 @@ cdef void run_row(const Op *op, int64_t t, int64_t T, int64_t pos0) noexcept nog
     """One token row of a row-wise op."""
     cdef int64_t src
     cdef int32_t tok
-    if op.kind == EMBED:        # a: token ids i32, b: embedding weight, c: [T, n] f32
+    cdef int64_t i
+    if op.kind == EMBED:        # a: token ids i32, b: embedding weight [rows, n], c: [T, n] f32
         tok = (<int32_t *> op.a)[t]
+        if tok < 0 or tok >= op.rows:  # never read outside the table: poison the row instead
+            for i in range(op.n):
+                (<float *> (op.c + t * op.c_stride))[i] = NAN
+            return
         mg_dequant_row(op.qtype, <uint8_t *> (op.b + tok * op.b_stride),
                        <float *> (op.c + t * op.c_stride), op.n)
     elif op.kind == RMSNORM:    # a: x [T, n], b: weight [n], c: [T, n] (or [1, n]: last row)
@@ -179,7 +186,8 @@ cdef void run_all(const Op *ops, Py_ssize_t n_ops, int64_t n_tok, int64_t pos0,
         nth = mg_num_threads()
         for i in range(n_ops):
             run_op(&ops[i], n_tok, pos0, tid, nth)
-            mg_barrier()  # op i+1 reads what every thread wrote in op i
+            if ops[i].sync:
+                mg_barrier()  # op i+1 touches bytes some thread used in op i
 
 
 cdef class Program:
@@ -226,6 +234,7 @@ cdef void fill(Op *op, dict spec) except *:
     op.kind = OP_KINDS[spec["kind"]]
     op.qtype = spec.get("qtype", 0)
     op.flag = spec.get("flag", 0)
+    op.sync = spec.get("sync", 1)
     op.fixed_tok = spec.get("fixed_tok", 0)
     op.a = <char *> <size_t> spec.get("a", 0)
     op.b = <char *> <size_t> spec.get("b", 0)
