@@ -44,6 +44,12 @@ MAX_SEARCH_PAIRS = 4_000_000
 # The search recurses in C a few frames per placed buffer (about 1.5 MB of stack at this
 # size, well inside the 8 MB a thread gets by default on Linux).
 MAX_SEARCH_BUFFERS = 3000
+# The search's budget is counted in work (buffers and sections scanned), not seconds, so the
+# same input gives the same plan on any machine: time_limit_s buys this much work per second.
+# The search does 0.4-1.1e9 a second on the 2-core development machine, so there the work
+# budget ends the search well before the clock; the clock stays as a safety net for machines
+# several times slower or heavily loaded (and only there can a plan vary between runs).
+WORK_PER_SECOND = 300_000_000
 
 
 @dataclass(frozen=True)
@@ -135,9 +141,9 @@ def place(buffers, alignment: int = 64, strategy: str = "best", capacity=None,
 
     With a capacity (bytes), Plan.fits says whether the arena fits, and `best` stops searching
     as soon as a plan fits. `best` stops early too when it reaches the lower bound; otherwise
-    it runs until time_limit_s. Its search is deterministic in the order it explores, so its
-    result repeats exactly whenever it finishes (lower bound, capacity, or proof) within the
-    budget; a search cut short by the clock may stop at a different point on a slower machine.
+    it runs until its budget is spent: time_limit_s converted to a machine-independent work
+    count (see WORK_PER_SECOND), so the same input gives the same plan, with time_limit_s
+    itself as a hard stop in case the machine is much slower.
     """
     _check_alignment(alignment)
     if strategy not in STRATEGIES:
@@ -151,7 +157,8 @@ def place(buffers, alignment: int = 64, strategy: str = "best", capacity=None,
     deadline = time.monotonic() + time_limit_s
     p = _Problem(buffers, alignment)
     if strategy == "best":
-        offsets = _best(p, None if capacity is None else capacity // p.unit, deadline)
+        offsets = _best(p, None if capacity is None else capacity // p.unit, deadline,
+                        int(time_limit_s * WORK_PER_SECOND))
     else:
         offsets = _STRATEGY_ORDER[strategy](p)
     arena = p.arena(offsets) * p.unit
@@ -363,7 +370,7 @@ def _by_start(p: _Problem) -> np.ndarray:
 _PORTFOLIO = (_size_order, _by_area, _by_width, _by_start, _breadth_order)
 
 
-def _best(p: _Problem, capacity_u, deadline: float) -> np.ndarray:
+def _best(p: _Problem, capacity_u, deadline: float, work: int) -> np.ndarray:
     """Smallest arena found: the best portfolio plan (ties: earlier in the portfolio, so never
     worse than greedy_by_size), improved by the canonical search while time remains."""
     best, best_arena = None, None
@@ -381,17 +388,17 @@ def _best(p: _Problem, capacity_u, deadline: float) -> np.ndarray:
     idx = np.flatnonzero(active)
     search = _core.CanonicalSearch(p.size[idx], p.start[idx], p.end[idx])
     if capacity_u is not None:
-        found = _decide(search, capacity_u, deadline)
+        found, _ = _decide(search, capacity_u, deadline, work)
         return _expand(p, idx, found) if isinstance(found, np.ndarray) else best
-    # No capacity: shrink the arena. Try the lower bound first with a third of the budget (it
-    # is often reachable, and then nothing else is needed), then bisect between what is proven
+    # No capacity: shrink the arena. Try the lower bound first with half the budget (it is
+    # often reachable, and then nothing else is needed), then bisect between what is proven
     # infeasible or given up on and the best arena found, each step an equal share of the rest.
     lo, hi = p.lower_bound, best_arena - 1
     target = lo
-    steps = 3
-    while lo <= hi and time.monotonic() < deadline:
-        slice_end = min(deadline, time.monotonic() + (deadline - time.monotonic()) / steps)
-        found = _decide(search, target, slice_end)
+    steps = 2
+    while lo <= hi and work > 0 and time.monotonic() < deadline:
+        found, used = _decide(search, target, deadline, work // steps)
+        work -= used
         if isinstance(found, np.ndarray):
             best = _expand(p, idx, found)
             best_arena = p.arena(best)
@@ -417,24 +424,26 @@ def _pairs(p: _Problem) -> int:
     return int(overlapping.sum()) - p.n
 
 
-def _decide(search, capacity_u: int, deadline: float):
-    """Offsets (search indices) within capacity_u, 'infeasible' when the search proves there
-    are none, or None when the deadline came first. Round robin over MiniMalloc's preorders
-    (which buffer to try first among equal min offsets) with a node limit doubling each round:
-    one preorder often finishes fast where another wanders, and the node limit keeps the
-    rounds deterministic."""
-    node_limit = search.n_buffers
-    while time.monotonic() < deadline:
+def _decide(search, capacity_u: int, deadline: float, work: int):
+    """(result, work used). The result is offsets (search indices) within capacity_u,
+    'infeasible' when the search proves there are none, or None when the work budget or the
+    deadline ran out first. Round robin over MiniMalloc's preorders (which buffer to try first
+    among equal min offsets) with a node limit doubling each round: one preorder often
+    finishes fast where another wanders."""
+    node_limit, used = search.n_buffers, 0
+    while used < work:
         node_limit *= 2
         for heuristic in _core.HEURISTICS:
-            status, offsets = search.run(capacity_u, heuristic, deadline, node_limit)
+            status, offsets = search.run(capacity_u, heuristic, deadline, node_limit,
+                                         work - used)
+            used += search.work
             if status == "found":
-                return offsets
+                return offsets, used
             if status == "infeasible":
-                return "infeasible"
-            if status == "timeout":
-                return None
-    return None
+                return "infeasible", used
+            if status in ("timeout", "budget"):
+                return None, used
+    return None, used
 
 
 def _expand(p: _Problem, idx, found) -> np.ndarray:

@@ -225,6 +225,19 @@ def test_corpus_case_fits_its_capacity():
     check_plan(buffers, plan, 1)
 
 
+def test_a_search_cut_short_by_its_budget_still_repeats_exactly():
+    # The budget is counted in work, not seconds: stopping mid-search lands on the same plan.
+    path = os.path.join(CORPUS, "A.csv")
+    if not os.path.exists(path) or planner._core is None:
+        pytest.skip("MiniMalloc corpus or compiled core not available")
+    with open(path) as f:
+        buffers = [Buffer(int(r["id"]), int(r["size"]), int(r["lower"]), int(r["upper"]) - 1)
+                   for r in csv.DictReader(f)]
+    first = place(buffers, 1, "best", time_limit_s=0.2)
+    assert first.lower_bound < first.arena_size < place(buffers, 1, "greedy_by_size").arena_size
+    assert place(buffers, 1, "best", time_limit_s=0.2) == first
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("buffers, match", [

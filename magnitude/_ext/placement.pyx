@@ -83,6 +83,7 @@ cdef enum:
     FOUND = 1
     ABORTED = 2  # node limit reached
     TIMED_OUT = 3
+    OUT_OF_WORK = 4  # work budget spent
 
 
 cdef struct Cand:
@@ -172,7 +173,12 @@ cdef class CanonicalSearch:
     cdef i64 stamp
     cdef i64 *undo  # triples: kind (0 min_off, 1 floor), index, old value
     cdef Py_ssize_t undo_top, undo_cap
-    cdef i64 capacity, nodes, node_limit
+    cdef i64 capacity, node_limit, work_limit
+    cdef public i64 nodes  # search nodes the last run() visited
+    # Work done by the last run(): buffers and sections scanned, a count that tracks time
+    # closely on any problem (nodes do not: their cost varies 20x between problems) yet does
+    # not depend on the machine, so a work budget stops the search at the same point anywhere.
+    cdef public i64 work
     cdef double deadline
     cdef public long long backtracks
 
@@ -244,10 +250,11 @@ cdef class CanonicalSearch:
         """Bytes (in units) live in each section: the max is the lower bound."""
         return np.asarray(self._keep[5])
 
-    def run(self, i64 capacity, str heuristic, double deadline, i64 node_limit):
+    def run(self, i64 capacity, str heuristic, double deadline, i64 node_limit,
+            i64 work_limit=-1):
         """Search with buffers at equal min offsets tried in the order of `heuristic` (one of
         HEURISTICS). Returns (status, offsets or None); status is 'found', 'infeasible',
-        'aborted' (node limit) or 'timeout'."""
+        'aborted' (node limit), 'budget' (work limit; -1 = none) or 'timeout'."""
         cdef Py_ssize_t i
         cdef i64 s
         cdef int status
@@ -264,6 +271,8 @@ cdef class CanonicalSearch:
         self.capacity = capacity
         self.nodes = 0
         self.node_limit = node_limit
+        self.work = 0
+        self.work_limit = work_limit
         self.deadline = deadline
         # The search undoes every change on its way back, whatever ended it; this reset makes a
         # run independent of the previous one all the same.
@@ -280,7 +289,8 @@ cdef class CanonicalSearch:
             raise MemoryError()
         if status == FOUND:
             return "found", np.array(<i64[:self.n]> self.best, dtype=np.int64)
-        return {NOT_FOUND: "infeasible", ABORTED: "aborted", TIMED_OUT: "timeout"}[status], None
+        return {NOT_FOUND: "infeasible", ABORTED: "aborted", TIMED_OUT: "timeout",
+                OUT_OF_WORK: "budget"}[status], None
 
     cdef int push(self, i64 kind, i64 idx, i64 old) noexcept nogil:
         cdef i64 *grown
@@ -290,6 +300,7 @@ cdef class CanonicalSearch:
                 return -1
             self.undo = grown
             self.undo_cap = self.undo_cap * 2 + 3072
+        self.work += 1
         self.undo[self.undo_top] = kind
         self.undo[self.undo_top + 1] = idx
         self.undo[self.undo_top + 2] = old
@@ -313,6 +324,7 @@ cdef class CanonicalSearch:
         cdef i64 k, o, s, lo, j, n_aff = 0, slot, last
         cdef int hatless = 1
         self.stamp += 1
+        self.work += self.sec_hi[b] - self.sec_lo[b] + self.ov_ptr[b + 1] - self.ov_ptr[b]
         for s in range(self.sec_lo[b], self.sec_hi[b]):
             if self.push(1, s, self.floor[s]) < 0:
                 return -1
@@ -337,6 +349,7 @@ cdef class CanonicalSearch:
             if self.push(0, o, self.min_off[o]) < 0:
                 return -1
             self.min_off[o] = height
+            self.work += self.sec_hi[o] - self.sec_lo[o]
             for s in range(self.sec_lo[o], self.sec_hi[o]):
                 # A floor already at or above height cannot rise from this change.
                 if self.mark[s] != self.stamp and self.floor[s] < height:
@@ -345,6 +358,7 @@ cdef class CanonicalSearch:
                     n_aff += 1  # fits: there are never more sections than buffers
         for j in range(n_aff):
             s = self.affected[j]
+            self.work += self.n_live[s]
             lo = -1
             for k in range(self.sm_ptr[s], self.sm_ptr[s] + self.n_live[s]):
                 o = self.sm_idx[k]
@@ -360,6 +374,7 @@ cdef class CanonicalSearch:
 
     cdef bint check(self, i64 off, i64 slo, i64 shi) noexcept nogil:
         cdef i64 s, f
+        self.work += shi - slo
         for s in range(slo, shi):
             f = self.floor[s]
             if self.total[s] > 0 and off > f:  # later buffers go no lower than this one
@@ -376,8 +391,11 @@ cdef class CanonicalSearch:
         cdef int status = NOT_FOUND, hatless
         cdef Cand *cand
         self.nodes += 1
+        self.work += 2 * nb
         if self.nodes > self.node_limit:
             return ABORTED
+        if self.work_limit >= 0 and self.work > self.work_limit:
+            return OUT_OF_WORK
         if (self.nodes & 63) == 0 and now() > self.deadline:
             return TIMED_OUT
         cand = <Cand *> malloc(max(nb, 1) * sizeof(Cand))
@@ -489,6 +507,7 @@ cdef class CanonicalSearch:
             free(pre)
             free(saved)
             return -1
+        self.work += 4 * k  # ranking: the scan below and the sort
         for i in range(k):
             b = part[i]
             t = 0
