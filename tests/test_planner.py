@@ -238,6 +238,22 @@ def test_a_search_cut_short_by_its_budget_still_repeats_exactly():
     assert place(buffers, 1, "best", time_limit_s=0.2) == first
 
 
+def test_the_clock_is_a_hard_stop(monkeypatch):
+    # On a machine far slower than the work budget assumes, time_limit_s still bounds best.
+    import time
+
+    if planner._core is None:
+        pytest.skip("compiled core not available")
+    rng = np.random.default_rng(3)
+    buffers = [Buffer(i, int(rng.integers(1, 40)) * 64, int(f), int(f + rng.integers(0, 40)))
+               for i, f in enumerate(np.sort(rng.integers(0, 300, 600)))]
+    monkeypatch.setattr(planner, "WORK_PER_SECOND", 10**15)
+    t = time.perf_counter()
+    plan = place(buffers, strategy="best", time_limit_s=0.3)
+    assert time.perf_counter() - t < 3
+    check_plan(buffers, plan, 64)
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("buffers, match", [
