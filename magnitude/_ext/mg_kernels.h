@@ -476,13 +476,15 @@ static inline __m256i MG_SFX(mg_hsum8)(const __m256i *v) {
 }
 
 /* One block of 8 weight rows, loaded and unpacked once, then used by every token of a tile.
-   Q4: lo[k], hi[k] hold rows 2k and 2k+1 side by side ([row 2k | row 2k+1], 16 values each),
-   so one and/shift/dpbusd serves two rows and the lanes come out already half reduced.
-   Q8: wa = |w| (the u8 operand) and w itself (whose sign goes onto x), rows in lane order. */
+   Rows 2j and 2j+1 sit side by side in one ymm ([row 2j | row 2j+1], 16 values each): lo[j]
+   holds values 0-15 of the block, hi[j] values 16-31, so one dpbusd serves two rows and the
+   lanes come out half reduced (three hadds finish 8 rows, in MG_LANE_ROWS order).
+   Q4: lo/hi are the nibbles. Q8_0: lo/hi are |w| (the u8 operand) and slo/shi w itself, whose
+   sign goes onto x (ggml's sign trick). */
 typedef struct {
-    __m256i lo[4], hi[4]; /* Q4 */
-    __m256i wa[8], w[8];  /* Q8_0 */
-    __m256 d, m;          /* scales and Q4_1 mins, lane order */
+    __m256i lo[4], hi[4];
+    __m256i slo[4], shi[4]; /* Q8_0 */
+    __m256 d, m;            /* scales and Q4_1 mins, lane order */
 } MG_SFX(mg_wblk8);
 
 /* the fp16 d (| m << 16) of one block in 8 rows, one gather, rows in lane order */
@@ -499,10 +501,13 @@ static inline void MG_SFX(mg_load_wblk8)(int qtype, const uint8_t *wp, int64_t r
                                          MG_SFX(mg_wblk8) *k) {
     MG_SFX(mg_scales8)(wp, idx, &k->d, &k->m);
     if (qtype == MG_Q8_0) {
-        static const int order[8] = {MG_LANE_ROWS};
-        for (int i = 0; i < 8; i++) {
-            k->w[i] = _mm256_loadu_si256((const __m256i *)(wp + order[i] * rb + 2));
-            k->wa[i] = _mm256_abs_epi8(k->w[i]);
+        for (int j = 0; j < 4; j++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(wp + 2 * j * rb + 2));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(wp + (2 * j + 1) * rb + 2));
+            k->slo[j] = _mm256_permute2x128_si256(a, b, 0x20);
+            k->shi[j] = _mm256_permute2x128_si256(a, b, 0x31);
+            k->lo[j] = _mm256_abs_epi8(k->slo[j]);
+            k->hi[j] = _mm256_abs_epi8(k->shi[j]);
         }
         return;
     }
@@ -519,17 +524,17 @@ static inline void MG_SFX(mg_load_wblk8)(int qtype, const uint8_t *wp, int64_t r
 
 /* int32 sums of one block, 8 rows (lane order) against one activation block */
 static inline __m256i MG_SFX(mg_sumi8)(int qtype, const MG_SFX(mg_wblk8) *k, const uint8_t *xp) {
-    if (qtype == MG_Q8_0) {
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xp + 2)), s[8];
-        for (int i = 0; i < 8; i++) s[i] = MG_DPBUSD(k->wa[i], _mm256_sign_epi8(xv, k->w[i]));
-        return MG_SFX(mg_hsum8)(s);
-    }
     int off = qtype == MG_Q4_1 ? 4 : 2;
     __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xp + off)));
     __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xp + off + 16)));
     __m256i v[4];
-    for (int j = 0; j < 4; j++)
-        v[j] = MG_DPBUSD_ACC(MG_DPBUSD(k->lo[j], xlo), k->hi[j], xhi); /* [2j: 4 | 2j+1: 4] */
+    if (qtype == MG_Q8_0)
+        for (int j = 0; j < 4; j++)
+            v[j] = MG_DPBUSD_ACC(MG_DPBUSD(k->lo[j], _mm256_sign_epi8(xlo, k->slo[j])), k->hi[j],
+                                 _mm256_sign_epi8(xhi, k->shi[j]));
+    else
+        for (int j = 0; j < 4; j++)
+            v[j] = MG_DPBUSD_ACC(MG_DPBUSD(k->lo[j], xlo), k->hi[j], xhi); /* [2j: 4 | 2j+1: 4] */
     /* hadd pairs lanes within 128-bit halves: three of them finish all 8 rows, in lane order */
     __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     if (qtype == MG_Q4_0) { /* sum (q-8)x = sum qx - 8 sum x: one sum x serves all 8 rows */
