@@ -138,7 +138,8 @@ cdef class CanonicalSearch:
     """Decision search: find offsets with every buffer below `capacity`, or prove none exist.
 
     Built once per problem (sections and overlaps), then run() with different capacities and
-    buffer preorders. Deterministic for a given node limit; the deadline only cuts it short.
+    buffer preorders. Deterministic for given node and work limits; only the deadline, a
+    safety net, can make a run stop at a machine-dependent point.
     """
     cdef Py_ssize_t n, m
     cdef object _keep  # numpy arrays that own the memory the pointers below point into
