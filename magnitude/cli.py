@@ -52,6 +52,15 @@ def cmd_run(args) -> None:
     hp = engine.hparams
     print(f"[magnitude] {hp.name or hp.arch}: {hp.n_layer} layers, {engine.threads} threads, "
           f"kernels {kernel_path()}", file=sys.stderr)
+    prompt_ids = engine.encode_prompt(args.prompt, args.chat)
+    for label, n in (("prefill", len(prompt_ids)), ("decode", 1)):
+        plan = engine.plan_for(n)
+        print(f"[magnitude] {label} plan ({plan.graph.tensors['tokens'].shape[0]} tokens/pass): "
+              f"{len(plan.offsets)} tensors in one arena of {_mib(plan.arena_size)}, lower bound "
+              f"{_mib(plan.lower_bound)} ({plan.arena_size / max(1, plan.lower_bound):.3f}x), "
+              f"{_mib(sum(plan.sizes.values()))} without sharing", file=sys.stderr)
+    print(f"[magnitude] KV cache: {_mib(engine.kv.nbytes)} reserved for {engine.n_ctx} "
+          "positions, touched only as they fill", file=sys.stderr)
     stream = engine.stream(args.prompt, args.max_new_tokens, temperature=args.temp,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat)
     for piece in stream:
@@ -92,4 +101,6 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into head & co.
+        return 0
     return 0

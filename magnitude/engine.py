@@ -141,6 +141,10 @@ class Engine:
         self._weight_types = {name: (w.qtype, tuple(w.shape))
                               for name, w in self.model.weights().items()}
         self._executors: dict[tuple[int, bool], Executor] = {}
+        # One decode step now pages the memory-mapped weights in and starts the threads, so
+        # the first request is not charged for them. (It writes KV position 0, which every
+        # request rewrites before reading.)
+        self._executor(1).run((0,), 0, self.threads)
 
     # --- plans ---------------------------------------------------------------------------------
 
