@@ -307,13 +307,21 @@ def test_rope_rotates_adjacent_pairs():
     np.testing.assert_allclose(pairs(y), pairs(x), rtol=1e-5)
 
 
-def test_softmax_silu_add():
+@pytest.mark.parametrize("path", PATHS)
+def test_softmax_matches_float64(path):
+    K.set_kernel_path(path)  # the SIMD paths use a vectorised exp: it must stay this accurate
     rng = np.random.default_rng(6)
-    x = (rng.standard_normal((4, 300)) * 30).astype(np.float32)
+    x = (rng.standard_normal((5, 301)) * 30).astype(np.float32)
     x[1] = -1e30  # all equal, very negative: still uniform
-    e = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
-    np.testing.assert_allclose(K.softmax(x), e / e.sum(axis=1, keepdims=True), rtol=2e-6,
-                               atol=1e-12)
+    x[2] = np.linspace(-87, 0, 301)  # the whole range the exp is asked for
+    x[3, :150] = -1e30  # exp underflows to 0 for half the row
+    e = np.exp((x - x.max(axis=1, keepdims=True)).astype(np.float64))  # f32 subtraction, as C
+    np.testing.assert_allclose(K.softmax(x), e / e.sum(axis=1, keepdims=True), rtol=1e-6,
+                               atol=1e-37)
+
+
+def test_silu_add():
+    rng = np.random.default_rng(6)
     g = np.concatenate([rng.standard_normal(500) * 10, [-200.0, 200.0, 0.0]]).astype(np.float32)
     u = rng.standard_normal(g.shape).astype(np.float32)
     g64 = g.astype(np.float64)

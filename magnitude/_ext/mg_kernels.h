@@ -214,7 +214,7 @@ static void mg_rope(float *x, int64_t n_heads, int64_t head_dim, int64_t pos, fl
     }
 }
 
-static void mg_softmax(float *x, int64_t n) {
+static void mg_softmax_scalar(float *x, int64_t n) {
     if (n <= 0) return;
     float mx = x[0];
     for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
@@ -427,6 +427,16 @@ static void mg_block_sums(int qtype, const uint8_t *w, int64_t row_bytes, const 
             out[r * nb + b] = mg_block_sumi(qtype, w + r * row_bytes, x, b);
 }
 
+static void mg_softmax(float *x, int64_t n) {
+#if MG_X86
+    if (n > 0 && mg_kernel_path() != MG_PATH_SCALAR) {
+        mg_softmax_avx2(x, n);
+        return;
+    }
+#endif
+    mg_softmax_scalar(x, n);
+}
+
 static void mg_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16,
                          int64_t kv_stride, int64_t n_pos, int64_t n_head, int64_t n_kv_head,
                          int64_t head_dim, float scale, float *out, float *scratch, int64_t h0,
@@ -442,22 +452,19 @@ static void mg_attention(const float *q, const void *k_cache, const void *v_cach
         int64_t off = (h / group) * head_dim; /* element offset of this head's kv head */
         const char *k = (const char *)k_cache + off * esize;
         const char *v = (const char *)v_cache + off * esize;
-        for (int64_t p = 0; p < n_pos; p++) {
-            const void *kp = k + p * kv_stride * esize;
 #if MG_X86
-            if (simd) { scratch[p] = scale * mg_dot_kv_avx2(qh, kp, kv_f16, head_dim); continue; }
-#endif
-            scratch[p] = scale * mg_dot_kv_scalar(qh, kp, kv_f16, head_dim);
+        if (simd && head_dim % 8 == 0 && head_dim <= 128) {
+            mg_attention_head_avx2(qh, k, v, kv_f16, kv_stride * esize, n_pos, head_dim, scale,
+                                   oh, scratch);
+            continue;
         }
-        mg_softmax(scratch, n_pos);
+#endif
+        for (int64_t p = 0; p < n_pos; p++)
+            scratch[p] = scale * mg_dot_kv_scalar(qh, k + p * kv_stride * esize, kv_f16, head_dim);
+        mg_softmax_scalar(scratch, n_pos);
         for (int64_t i = 0; i < head_dim; i++) oh[i] = 0.0f;
-        for (int64_t p = 0; p < n_pos; p++) {
-            const void *vp = v + p * kv_stride * esize;
-#if MG_X86
-            if (simd) { mg_axpy_kv_avx2(scratch[p], vp, kv_f16, oh, head_dim); continue; }
-#endif
-            mg_axpy_kv_scalar(scratch[p], vp, kv_f16, oh, head_dim);
-        }
+        for (int64_t p = 0; p < n_pos; p++)
+            mg_axpy_kv_scalar(scratch[p], v + p * kv_stride * esize, kv_f16, oh, head_dim);
     }
 }
 
@@ -796,6 +803,85 @@ static void MG_SFX(mg_axpy_kv)(float a, const void *v, int f16, float *out, int6
         _mm256_storeu_ps(out + i, _mm256_fmadd_ps(av, MG_SFX(mg_load8_kv)(v, f16, i),
                                                   _mm256_loadu_ps(out + i)));
     for (; i < n; i++) out[i] += a * (f16 ? mg_h2f(((const uint16_t *)v)[i]) : ((const float *)v)[i]);
+}
+
+/* 8 float vectors -> one vector whose lane i is the sum of v[i] */
+static inline __m256 MG_SFX(mg_hsum8_ps)(const __m256 *v) {
+    __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+/* e^x for x <= 0 (softmax after the max is subtracted), Cephes expf: x = n ln2 + r, |r| <= ln2/2,
+   degree-6 polynomial; within 2 ulp of expf. Below -87.3 (e^x < 2^-126) it returns 0, which a
+   softmax whose largest term is 1 cannot tell apart. */
+static inline __m256 MG_SFX(mg_exp_neg)(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33f);
+    __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(small, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static void MG_SFX(mg_softmax)(float *x, int64_t n) {
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = MG_SFX(mg_exp_neg)(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    double sum = MG_SFX(mg_hsum_ps)(acc);
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    __m256 inv = _mm256_set1_ps((float)(1.0 / sum));
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (; i < n; i++) x[i] *= (float)(1.0 / sum);
+}
+
+/* One head of attention, head_dim a multiple of 8 up to 128: scores 8 positions at a time (one
+   reduction per 8 dot products), then the weighted V rows summed in registers. */
+static void MG_SFX(mg_attention_head)(const float *qh, const char *k, const char *v, int f16,
+                                      int64_t row_bytes, int64_t n_pos, int64_t hd, float scale,
+                                      float *oh, float *scratch) {
+    int64_t nc = hd / 8, p = 0;
+    __m256 qv[16];
+    for (int64_t c = 0; c < nc; c++) qv[c] = _mm256_loadu_ps(qh + 8 * c);
+    for (; p + 8 <= n_pos; p += 8) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) {
+            const void *kp = k + (p + i) * row_bytes;
+            acc[i] = _mm256_mul_ps(qv[0], MG_SFX(mg_load8_kv)(kp, f16, 0));
+            for (int64_t c = 1; c < nc; c++)
+                acc[i] = _mm256_fmadd_ps(qv[c], MG_SFX(mg_load8_kv)(kp, f16, 8 * c), acc[i]);
+        }
+        _mm256_storeu_ps(scratch + p, _mm256_mul_ps(_mm256_set1_ps(scale), MG_SFX(mg_hsum8_ps)(acc)));
+    }
+    for (; p < n_pos; p++) scratch[p] = scale * MG_SFX(mg_dot_kv)(qh, k + p * row_bytes, f16, hd);
+    MG_SFX(mg_softmax)(scratch, n_pos);
+    __m256 o[16];
+    for (int64_t c = 0; c < nc; c++) o[c] = _mm256_setzero_ps();
+    for (p = 0; p < n_pos; p++) {
+        __m256 a = _mm256_set1_ps(scratch[p]);
+        const void *vp = v + p * row_bytes;
+        for (int64_t c = 0; c < nc; c++) o[c] = _mm256_fmadd_ps(a, MG_SFX(mg_load8_kv)(vp, f16, 8 * c), o[c]);
+    }
+    for (int64_t c = 0; c < nc; c++) _mm256_storeu_ps(oh + 8 * c, o[c]);
 }
 #endif /* MG_KV_DONE */
 
