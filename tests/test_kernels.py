@@ -320,9 +320,12 @@ def test_softmax_matches_float64(path):
                                atol=1e-37)
 
 
-def test_silu_add():
+@pytest.mark.parametrize("path", PATHS)
+def test_silu_add(path):
+    K.set_kernel_path(path)
     rng = np.random.default_rng(6)
-    g = np.concatenate([rng.standard_normal(500) * 10, [-200.0, 200.0, 0.0]]).astype(np.float32)
+    g = np.concatenate([rng.standard_normal(500) * 10, np.linspace(-100, 100, 64),
+                        [-200.0, 200.0, 0.0, -87.5, -88.5, 88.5]]).astype(np.float32)
     u = rng.standard_normal(g.shape).astype(np.float32)
     g64 = g.astype(np.float64)
     ref = g64 / (1 + np.exp(-g64)) * u
