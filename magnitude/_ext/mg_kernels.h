@@ -483,7 +483,7 @@ static void mg_attention(const float *q, const void *k_cache, const void *v_cach
 #else /* MG_SIMD_PASS: one SIMD path; MG_SFX names it, MG_DPBUSD(_ACC) its u8 x s8 dot ---- */
 
 /* Lane order of every 8-row vector below: rows 0 2 4 6 1 3 5 7. It falls out of the hadd tree
-   in mg_sumi8_q4; gathering the scales in the same order keeps rows and scales together, and
+   that reduces row pairs (mg_sumi8); gathering the scales in the same order keeps rows and scales together, and
    MG_UNPERM puts rows back in order on the way out. */
 #define MG_LANE_ROWS 0, 2, 4, 6, 1, 3, 5, 7
 #define MG_UNPERM 0, 4, 1, 5, 2, 6, 3, 7
@@ -502,7 +502,7 @@ static inline __m256i MG_SFX(mg_hsum8)(const __m256i *v) {
    holds values 0-15 of the block, hi[j] values 16-31, so one dpbusd serves two rows and the
    lanes come out half reduced (three hadds finish 8 rows, in MG_LANE_ROWS order).
    Q4: lo/hi are the nibbles. Q8_0: lo/hi are |w| (the u8 operand) and slo/shi w itself, whose
-   sign goes onto x (ggml's sign trick). */
+   sign goes onto x (ggml's sign trick); with VNNI, x + 128 is the u8 operand instead. */
 typedef struct {
     __m256i lo[4], hi[4];
     __m256i slo[4], shi[4]; /* Q8_0 */
@@ -673,7 +673,7 @@ static inline __attribute__((always_inline)) void MG_SFX(mg_gemv8)(
 
 /* y[t*ldy + r] for 8 rows (from w) and nt <= MG_NT activation rows (from xq, stride xs).
    Blocks outer, tokens inner: each weight block is loaded and unpacked once per tile, and each
-   row still sums its blocks in order. nt == 1 is the decode GEMV. */
+   row still sums its blocks in order. The prefill GEMM; T == 1 goes to mg_gemv8. */
 static inline __attribute__((always_inline)) void MG_SFX(mg_tile8)(
         int qtype, const uint8_t *w, int64_t rb, const uint8_t *xq, int64_t xs, int64_t nt,
         int64_t nb, const float *sc, float *y, int64_t ldy) {
@@ -716,7 +716,6 @@ static void MG_SFX(mg_block_sums8)(int qtype, const uint8_t *w, int64_t rb, cons
     }
 }
 
-/* rows [r0, r1) by 8 with tokens in tiles; the last < 8 rows on the scalar path */
 /* the activation scales (d, and s for Q8_1) of T rows as f32: out[2*(t*nb + b) + {0, 1}] */
 static inline void MG_SFX(mg_act_scales)(int qtype, const uint8_t *xq, int64_t xq_stride,
                                          int64_t T, int64_t nb, float *out) {
@@ -729,6 +728,7 @@ static inline void MG_SFX(mg_act_scales)(int qtype, const uint8_t *xq, int64_t x
         }
 }
 
+/* rows [r0, r1): 8 at a time, one token (GEMV) or tiles of MG_NT tokens (GEMM) */
 static inline __attribute__((always_inline)) void MG_SFX(mg_rows)(
         int qtype, const uint8_t *w, int64_t row_bytes, int64_t nb, const uint8_t *xq,
         int64_t xq_stride, int64_t T, float *y, int64_t ldy, int64_t r0, int64_t r1) {
@@ -804,15 +804,6 @@ static float MG_SFX(mg_dot_kv)(const float *q, const void *k, int f16, int64_t n
     for (; i < n; i++)
         s += q[i] * (f16 ? mg_h2f(((const uint16_t *)k)[i]) : ((const float *)k)[i]);
     return s;
-}
-
-static void MG_SFX(mg_axpy_kv)(float a, const void *v, int f16, float *out, int64_t n) {
-    __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(av, MG_SFX(mg_load8_kv)(v, f16, i),
-                                                  _mm256_loadu_ps(out + i)));
-    for (; i < n; i++) out[i] += a * (f16 ? mg_h2f(((const uint16_t *)v)[i]) : ((const float *)v)[i]);
 }
 
 /* 8 float vectors -> one vector whose lane i is the sum of v[i] */
