@@ -686,6 +686,8 @@ static inline __attribute__((always_inline)) void MG_SFX(mg_tile8)(
     for (int64_t t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     MG_SFX(mg_wblk8) k;
     for (int64_t b = 0; b < nb; b++) {
+        for (int64_t o = b * 8 * wb; o < (b + 1) * 8 * wb; o += 64) /* as in mg_gemv8 */
+            _mm_prefetch((const char *)(w + 32768 + o), _MM_HINT_T1);
         MG_SFX(mg_load_wblk8)(qtype, w + b * wb, rb, idx, &k);
         for (int64_t t = 0; t < nt; t++) {
             const uint8_t *xp = xq + t * xs + b * xb;
