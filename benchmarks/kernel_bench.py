@@ -99,6 +99,34 @@ def gemm_table(paths, threads, repeats, rng, Ts=(32, 128, 512)):
         print(line)
 
 
+def model_step_table(path, paths, threads, repeats):
+    """Every weight matrix of the model once, as one decode step reads them (one token)."""
+    import gguf
+
+    ids = {int(v): k for k, v in K.QTYPES.items()}
+    mats = []
+    for t in gguf.GGUFReader(path).tensors:
+        if int(t.tensor_type) in ids and len(t.shape) == 2:
+            qt = ids[int(t.tensor_type)]
+            w = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # [rows, row_bytes]
+            cols = w.shape[1] // BLOCK[qt] * 32
+            xq = K.quantize_for(qt, np.ones((1, cols), np.float32))
+            mats.append((w, qt, xq, np.empty((1, w.shape[0]), np.float32)))
+    total = sum(m[0].nbytes for m in mats)
+    print(f"\nModel decode step: all {len(mats)} weight matrices of {os.path.basename(path)} "
+          f"({total / 1e6:.0f} MB), one token: best ms | GB/s")
+    line = ""
+    for p in paths:
+        K.set_kernel_path(p)
+        for n in threads:
+            def step():
+                for w, qt, xq, out in mats:
+                    K.matmul_q(w, qt, xq, out=out, n_threads=n)
+            t = timings(step, repeats).min()
+            line += f"{p}/{n}t {t * 1e3:.2f} ms {total / t / 1e9:.1f} GB/s   "
+    print(line)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 shapes only, fewer repeats")
@@ -106,6 +134,8 @@ def main(argv=None):
                     help="comma-separated kernel paths (default: all this CPU supports)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--model", default=None,
+                    help="GGUF file for the decode-step figure (default: the SmolLM2 package's)")
     args = ap.parse_args(argv)
     paths = args.paths.split(",")
     threads = [int(t) for t in args.threads.split(",")]
@@ -119,6 +149,17 @@ def main(argv=None):
     gemv_table(shapes, paths, threads, bw, repeats, rng)
     if not args.no_gemm:
         gemm_table(paths, threads, max(3, repeats // 3), rng)
+    model = args.model or _default_model()
+    if model:
+        model_step_table(model, [p for p in paths if p != "scalar"], threads, repeats)
+
+
+def _default_model():
+    try:
+        from magnitude.gguf_model import default_model_path
+        return default_model_path()
+    except Exception:  # the package or its model file is missing: skip that table
+        return None
 
 
 if __name__ == "__main__":
