@@ -672,7 +672,7 @@ static inline __attribute__((always_inline)) void MG_SFX(mg_gemv8)(
 }
 
 #define MG_XS_BLOCKS 512
-#define MG_NT 16 /* tokens per tile: their accumulators stay in L1 beside the weight block */
+#define MG_NT 32 /* tokens per tile (accumulators in L1); measured vs 8/16/64: 0.48/0.41/0.39 ns, 32: 0.37 */
 
 /* y[t*ldy + r] for 8 rows (from w) and nt <= MG_NT activation rows (from xq, stride xs).
    Blocks outer, tokens inner: each weight block is loaded and unpacked once per tile, and each
