@@ -104,6 +104,7 @@ def matmul_q(w_raw, qtype: str, xq, out=None, n_threads: int | None = None) -> n
         raise ValueError(f"xq must be C-contiguous uint8 [T, row_bytes], got {xq.dtype} "
                          f"{xq.shape}")
     cols = w.shape[1] // BLOCK_BYTES[qtype] * 32
+    _check_act_values(xq, qtype)
     if out is None:
         out = np.empty((xq.shape[0], w.shape[0]), dtype=np.float32)  # [T, rows]
     elif not (isinstance(out, np.ndarray) and out.dtype == np.float32
@@ -111,6 +112,20 @@ def matmul_q(w_raw, qtype: str, xq, out=None, n_threads: int | None = None) -> n
         raise ValueError("out must be a C-contiguous float32 [T, rows] numpy array")
     _k.matmul_q(qid, w, cols, xq, out, n_threads)
     return out
+
+
+def _check_act_values(xq: np.ndarray, qtype: str) -> None:
+    """The SIMD paths put the sign of a Q8_0 weight onto the activation (ggml's sign trick), and
+    -x overflows for x = -128: activation values must be in [-127, 127], as our quantizers (and
+    ggml's) make them."""
+    bb = ACT_BLOCK_BYTES[qtype]
+    if xq.size == 0 or xq.shape[1] % bb:
+        return  # the shape check in the extension names the problem
+    qs = xq.reshape(xq.shape[0], -1, bb)[:, :, bb - 32:].view(np.int8)  # [T, blocks, 32]
+    if (qs == -128).any():
+        t, b, j = (int(i[0]) for i in np.nonzero(qs == -128))
+        raise ValueError(f"activation row {t} block {b} holds the value -128 at {j}; quantized "
+                         f"activations must be in [-127, 127] (use quantize_for)")
 
 
 def matmul(w_raw, qtype: str, x, n_threads: int | None = None, out=None) -> np.ndarray:

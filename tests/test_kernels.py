@@ -433,6 +433,10 @@ def test_bad_inputs_raise_value_error():
         K.matmul_q(w, "q4_1", K.quantize_q8_0(x))  # Q8_0 activations for Q4_1 weights
     with pytest.raises(ValueError, match=r"out has shape \(2, 7\)"):
         K.matmul_q(w, "q4_1", K.quantize_q8_1(x), out=np.empty((2, 7), np.float32))
+    bad = K.quantize_q8_1(x)
+    bad[1, 36 + 4 + 5] = 0x80  # -128: the one int8 our quantizers never make
+    with pytest.raises(ValueError, match="row 1 block 1 holds the value -128 at 5"):
+        K.matmul_q(w, "q4_1", bad)
     with pytest.raises(ValueError, match="n_threads=0"):
         K.matmul(w, "q4_1", x, n_threads=0)
     with pytest.raises(ValueError, match="multiple of 32"):
