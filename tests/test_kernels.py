@@ -123,16 +123,21 @@ def float_rows(draw, max_t=4, max_blocks=6):
 @given(x=float_rows())
 def test_quantizers_are_byte_exact_against_ggml_reference(x):
     with np.errstate(over="ignore"):
-        np.testing.assert_array_equal(K.quantize_q8_0(x), np_quantize(x, False))
-        np.testing.assert_array_equal(K.quantize_q8_1(x), np_quantize(x, True))
+        want_0, want_1 = np_quantize(x, False), np_quantize(x, True)
+    for path in PATHS:  # the SIMD quantizer must give the scalar one's bytes
+        K.set_kernel_path(path)
+        np.testing.assert_array_equal(K.quantize_q8_0(x), want_0, err_msg=path)
+        np.testing.assert_array_equal(K.quantize_q8_1(x), want_1, err_msg=path)
 
 
-def test_quantizer_rounds_half_away_from_zero():
+@pytest.mark.parametrize("path", PATHS)
+def test_quantizer_rounds_half_away_from_zero(path):
+    K.set_kernel_path(path)
     x = np.zeros((1, 32), np.float32)
     x[0, 0] = 127.0  # d = 1 exactly, so x/d = x
-    x[0, 1:5] = [0.5, -0.5, 2.5, -2.5]
+    x[0, 1:7] = [0.5, -0.5, 2.5, -2.5, 0.49999997, -126.5]
     q = K.quantize_q8_0(x)[0, 2:].view(np.int8)
-    assert list(q[:5]) == [127, 1, -1, 3, -3]
+    assert list(q[:7]) == [127, 1, -1, 3, -3, 0, -127]
 
 
 def test_quantize_1d_and_q8_0_matches_gguf_roundtrip():

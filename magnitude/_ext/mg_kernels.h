@@ -119,23 +119,18 @@ static inline int mg_quantize_block(const float *x, int8_t *q, float *d_out) {
     return sum;
 }
 
-static void mg_quantize_q8_0(const float *x, uint8_t *out, int64_t n) {
-    for (int64_t b = 0; b < n / MG_QK; b++) {
-        uint8_t *o = out + b * 34;
-        float d;
-        mg_quantize_block(x + b * MG_QK, (int8_t *)(o + 2), &d);
-        uint16_t h = mg_f2h(d);
-        memcpy(o, &h, 2);
-    }
-}
+typedef int (*mg_block_quantizer)(const float *x, int8_t *q, float *d_out);
 
-static void mg_quantize_q8_1(const float *x, uint8_t *out, int64_t n) {
+/* Q8_0 / Q8_1 rows from a block quantizer (scalar or SIMD: they give the same bytes) */
+static inline void mg_quantize_rows(mg_block_quantizer quantize, int q8_1, const float *x,
+                                    uint8_t *out, int64_t n) {
+    int64_t bb = q8_1 ? 36 : 34;
     for (int64_t b = 0; b < n / MG_QK; b++) {
-        uint8_t *o = out + b * 36;
+        uint8_t *o = out + b * bb;
         float d;
-        int sum = mg_quantize_block(x + b * MG_QK, (int8_t *)(o + 4), &d);
+        int sum = quantize(x + b * MG_QK, (int8_t *)(o + bb - MG_QK), &d);
         uint16_t h[2] = {mg_f2h(d), mg_f2h((float)sum * d)}; /* s from the f32 d, as ggml */
-        memcpy(o, h, 4);
+        memcpy(o, h, q8_1 ? 4 : 2);
     }
 }
 
@@ -425,6 +420,26 @@ static void mg_block_sums(int qtype, const uint8_t *w, int64_t row_bytes, const 
     for (int64_t r = 0; r < 8; r++)
         for (int64_t b = 0; b < nb; b++)
             out[r * nb + b] = mg_block_sumi(qtype, w + r * row_bytes, x, b);
+}
+
+static void mg_quantize_q8_0(const float *x, uint8_t *out, int64_t n) {
+#if MG_X86
+    if (mg_kernel_path() != MG_PATH_SCALAR) {
+        mg_quantize_rows(mg_quantize_block_avx2, 0, x, out, n);
+        return;
+    }
+#endif
+    mg_quantize_rows(mg_quantize_block, 0, x, out, n);
+}
+
+static void mg_quantize_q8_1(const float *x, uint8_t *out, int64_t n) {
+#if MG_X86
+    if (mg_kernel_path() != MG_PATH_SCALAR) {
+        mg_quantize_rows(mg_quantize_block_avx2, 1, x, out, n);
+        return;
+    }
+#endif
+    mg_quantize_rows(mg_quantize_block, 1, x, out, n);
 }
 
 static void mg_silu_mul(const float *g, const float *u, float *y, int64_t n) {
@@ -788,6 +803,44 @@ static void MG_SFX(mg_matmul)(int qtype, const uint8_t *w, int64_t row_bytes, in
 
 #if !defined(MG_KV_DONE)
 #define MG_KV_DONE 1 /* the attention helpers need only AVX2+F16C: define them in the first pass */
+/* mg_quantize_block, 32 values at a time: the same float operations lane by lane (the
+   absmax is exact in any order, x*id and the clamp are one rounding each, the rounding is
+   mg_round_away's), so the bytes equal the scalar quantizer's */
+static int MG_SFX(mg_quantize_block)(const float *x, int8_t *q, float *d_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), amax); /* NaN lanes lose, as in C */
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    float d = _mm_cvtss_f32(m) / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i qi[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256 t = _mm256_mul_ps(v[i], _mm256_set1_ps(id));
+        t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+        __m256 tr = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 frac = _mm256_andnot_ps(sign, _mm256_sub_ps(t, tr));
+        __m256 up = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+        __m256 one = _mm256_or_ps(_mm256_and_ps(t, sign), _mm256_set1_ps(1.0f)); /* copysign */
+        qi[i] = _mm256_cvttps_epi32(_mm256_add_ps(tr, _mm256_and_ps(up, one)));
+        total = _mm256_add_epi32(total, qi[i]);
+    }
+    /* packs interleave 128-bit lanes; the permute puts the 32 values back in order */
+    __m256i q16a = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+    __m256i q8 = _mm256_packs_epi16(q16a, q16b);
+    q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, q8);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    *d_out = d;
+    return _mm_cvtsi128_si32(s4);
+}
+
 static inline float MG_SFX(mg_hsum_ps)(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
