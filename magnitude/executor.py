@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ._ext.runtime import Program
+from ._ext.kernels import Program
 from .arena import Arena
 from .errors import GraphError
 from .graph import Graph, kv_cache_names, row_bytes

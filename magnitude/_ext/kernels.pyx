@@ -37,6 +37,7 @@ cdef extern from "mg_kernels.h" nogil:
                       int64_t head_dim, float scale, float *out, float *scratch,
                       int64_t h0, int64_t h1)
     void mg_f32_to_f16(const float *x, uint16_t *y, int64_t n)
+    void mg_barrier()
 
 # HAVE_OPENMP is a compile-time name (setup.py's compile_time_env): a plain assignment to it does
 # not compile, so the module attribute of that name is set through globals()
@@ -48,14 +49,15 @@ QTYPES = {"q4_0": MG_Q4_0, "q4_1": MG_Q4_1, "q8_0": MG_Q8_0}
 
 
 def _check_env_path():
+    from magnitude.errors import ConfigError  # a ValueError, and what the CLI reports cleanly
     code = mg_env_kernel_path()
     if code == -2:
         import os
-        raise ValueError(f"MAGNITUDE_KERNEL={os.environ['MAGNITUDE_KERNEL']!r} is not a kernel "
+        raise ConfigError(f"MAGNITUDE_KERNEL={os.environ['MAGNITUDE_KERNEL']!r} is not a kernel "
                          f"path; use one of {', '.join(PATH_NAMES)} (or unset it)")
     if code == -3:
         import os
-        raise ValueError(f"MAGNITUDE_KERNEL={os.environ['MAGNITUDE_KERNEL']!r}: this CPU lacks "
+        raise ConfigError(f"MAGNITUDE_KERNEL={os.environ['MAGNITUDE_KERNEL']!r}: this CPU lacks "
                          f"that instruction set; it supports {', '.join(supported_paths())}")
     mg_kernel_path()  # settle the path now, before any thread can race to do it
 
@@ -323,3 +325,7 @@ def f32_to_f16(const float[::1] x, uint16_t[::1] y):
 
 
 _check_env_path()
+
+
+# The op-table interpreter the executor runs (Program), compiled into this same module.
+include "runtime.pxi"

@@ -1,4 +1,5 @@
-# cython: language_level=3
+# Included at the end of kernels.pyx, so the executor and the kernel wrappers are ONE module:
+# one copy of the selected kernel path, one set of C declarations.
 """The op-table interpreter: runs a whole planned graph in one nogil call.
 
 The executor compiles the graph's nodes into a flat array of Op structs holding raw pointers
@@ -12,7 +13,6 @@ Safety: bounds checks are off. Every pointer and size here was checked in Python
 (magnitude/executor.py) when the table was built, and run() checks its own arguments.
 """
 from cython.parallel cimport parallel
-from libc.stdint cimport int64_t, uint8_t, uint16_t, int32_t
 from libc.math cimport NAN
 from libc.stdlib cimport calloc, free
 
@@ -29,24 +29,6 @@ cdef extern from *:
     """
     int mg_thread_id() nogil
     int mg_num_threads() nogil
-
-cdef extern from "mg_kernels.h" nogil:
-    void mg_quantize_q8_0(const float *x, uint8_t *out, int64_t n)
-    void mg_quantize_q8_1(const float *x, uint8_t *out, int64_t n)
-    void mg_matmul(int qtype, const uint8_t *w, int64_t row_bytes, int64_t cols,
-                   const uint8_t *xq, int64_t xq_stride, int64_t T,
-                   float *y, int64_t ldy, int64_t r0, int64_t r1)
-    void mg_rmsnorm(const float *x, const float *w, float *y, int64_t n, float eps)
-    void mg_rope(float *x, int64_t n_heads, int64_t head_dim, int64_t pos, float freq_base)
-    void mg_silu_mul(const float *g, const float *u, float *y, int64_t n)
-    void mg_add(const float *a, const float *b, float *y, int64_t n)
-    void mg_dequant_row(int qtype, const uint8_t *row, float *y, int64_t n)
-    void mg_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16,
-                      int64_t kv_stride, int64_t n_pos, int64_t n_head, int64_t n_kv_head,
-                      int64_t head_dim, float scale, float *out, float *scratch,
-                      int64_t h0, int64_t h1)
-    void mg_f32_to_f16(const float *x, uint16_t *y, int64_t n)
-    void mg_barrier()
 
 # Op kinds; the executor uses the same numbers (OP_KINDS below).
 cdef enum:
