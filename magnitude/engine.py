@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import codecs
 import os
 import resource
 import time
@@ -244,19 +245,22 @@ class Engine:
         return stream.result
 
     def _run(self, ids: list[int], max_new_tokens: int, sample: _Sampler, stop_at_eos: bool):
+        # Tokens are byte strings; a character can straddle two of them, so the text comes from
+        # an incremental UTF-8 decoder: each piece is complete, at O(1) per token.
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         t0 = time.perf_counter()
         token = sample(self._prefill(ids))
         t1 = time.perf_counter()
         decode = self._executor(1)
-        out, text, stop = [token], "", "length"
+        out, pieces, stop = [token], [], "length"
         pos = len(ids)
         while True:
             if stop_at_eos and token in self.tokenizer.eot_ids:
                 stop = "eos"
                 break
-            piece = self._new_text(out, text)
-            text += piece
+            piece = utf8.decode(self.tokenizer.token_bytes(token))
             if piece:
+                pieces.append(piece)
                 yield piece
             if len(out) >= max_new_tokens:
                 break
@@ -267,23 +271,16 @@ class Engine:
             out.append(token)
             pos += 1
         t2 = time.perf_counter()
-        tail = self.tokenizer.decode(out if stop != "eos" else out[:-1])[len(text):]
+        tail = utf8.decode(b"", final=True)
         if tail:
+            pieces.append(tail)
             yield tail
         plan = decode.plan
         return InferenceResult(
-            output_tokens=out, text=text + tail, prompt_tokens=len(ids),
+            output_tokens=out, text="".join(pieces), prompt_tokens=len(ids),
             prefill_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, stop_reason=stop,
             arena_bytes=plan.arena_size, arena_lower_bound=plan.lower_bound,
             kv_bytes=self.kv.bytes_for(pos), peak_memory_bytes=peak_rss_bytes())
-
-    def _new_text(self, out: list[int], text: str) -> str:
-        """The text the newest token adds. Decoding the tail again keeps multi-byte characters
-        split across tokens whole; an incomplete one (U+FFFD at the end) waits a token."""
-        full = self.tokenizer.decode(out)
-        if full.endswith("\ufffd"):
-            return ""
-        return full[len(text):]
 
 
 def peak_rss_bytes() -> int:

@@ -92,11 +92,10 @@ class Executor:
         n = len(tokens)
         if not 1 <= n <= self.n_tokens:
             raise ValueError(f"{n} tokens given; this plan runs 1..{self.n_tokens} at a time")
+        for t in tokens:
+            if not 0 <= t < self.n_vocab:
+                raise ValueError(f"token id {t} is outside the vocabulary 0..{self.n_vocab - 1}")
         self._tokens[:n] = tokens
-        lo, hi = int(self._tokens[:n].min()), int(self._tokens[:n].max())
-        if lo < 0 or hi >= self.hp.n_vocab:
-            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
-                             f"0..{self.hp.n_vocab - 1}")
         if self.sanitize:
             for i in range(len(self.graph.nodes)):
                 self.program.run(n, pos0, n_threads, i, i + 1)

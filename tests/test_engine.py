@@ -105,6 +105,23 @@ def test_stream_yields_the_text(engine):
     pieces = list(stream)
     assert "".join(pieces) == stream.result.text
     assert len(pieces) > 1
+    ids = stream.result.output_tokens
+    if stream.result.stop_reason == "eos":
+        ids = ids[:-1]
+    assert stream.result.text == engine.tokenizer.decode(ids)
+
+
+def test_stream_keeps_characters_split_across_tokens_whole(engine):
+    # A character outside the vocabulary's merges comes out as several byte tokens: no piece
+    # may end inside it, and the whole text must equal the tokenizer's own decoding.
+    ids = engine.tokenizer.encode("日本語の文章です。🙂")
+    assert len(ids) > len("日本語の文章です。🙂")  # some characters span tokens
+    stream = engine.stream(ids[:3], max_new_tokens=12, stop_at_eos=False)
+    pieces = list(stream)
+    out = stream.result.output_tokens
+    assert any(len(engine.tokenizer.token_bytes(t).decode("utf-8", "ignore")) == 0 for t in out)
+    assert "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) == engine.tokenizer.decode(out)
 
 
 def test_chat_stops_at_end_of_turn(engine):
