@@ -203,6 +203,17 @@ def _check_claimed_lifetimes(plan: GraphPlan, truth) -> None:
 # Arena
 
 
+def aligned_zeros(shape, dtype) -> np.ndarray:
+    """Zeroed array whose first byte is on a cache line (over-allocate and slice). Its pages
+    stay untouched, so not resident, until written: a KV cache costs memory only for the
+    positions in use."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(nbytes + BASE_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % BASE_ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def sanitize_default() -> bool:
     return os.environ.get("MAGNITUDE_SANITIZE", "") == "1"
 
@@ -226,11 +237,8 @@ class Arena:
         self.plan = plan
         self.sanitize = sanitize_default() if sanitize is None else bool(sanitize)
         self.nbytes = plan.arena_size
-        # Over-allocate and slice so the base lands on a cache line. [arena_size + 64] uint8
-        raw = np.zeros(self.nbytes + BASE_ALIGNMENT, dtype=np.uint8)
-        shift = -raw.ctypes.data % BASE_ALIGNMENT
-        self.buffer = raw[shift:shift + self.nbytes]
-        self.base_address = raw.ctypes.data + shift
+        self.buffer = aligned_zeros((self.nbytes,), np.uint8)  # [arena_size] uint8
+        self.base_address = self.buffer.ctypes.data
         self._views: dict[str, np.ndarray] = {}
         self._bound: dict[str, np.ndarray] = {}
         self._dies = self._dies_lists() if self.sanitize else None

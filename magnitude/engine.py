@@ -7,18 +7,20 @@
 from __future__ import annotations
 
 import codecs
+import math
 import os
+import threading
 import resource
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ConfigError, ContextLengthError
+from .errors import ConfigError, ContextLengthError, MagnitudeError, ModelError
 from .executor import Executor, KVStore
 from .gguf_model import ModelFile, default_model_path
-from .graph import build_llama_graph, kv_cache_names
-from .planner import GraphPlan, plan_graph
+from .graph import ACT_QTYPE, build_llama_graph, kv_cache_names
+from .planner import STRATEGIES, GraphPlan, plan_graph
 from .tokenizer import Tokenizer
 
 # Prefill plans come in a few sizes; a chunk of n tokens runs on the smallest plan >= n (the
@@ -47,17 +49,24 @@ class EngineConfig:
 
     def __post_init__(self):
         threads = self.threads
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
+        if threads is not None and not (_is_int(threads) and threads >= 1):
             raise ConfigError(f"threads={threads!r}: give a positive integer or None for all "
                               f"{available_cores()} cores")
-        if not isinstance(self.max_context_length, int) or self.max_context_length < 2:
+        if not (_is_int(self.max_context_length) and self.max_context_length >= 2):
             raise ConfigError(f"max_context_length={self.max_context_length!r}: must be an "
                               "integer >= 2")
         if self.kv_dtype not in ("f16", "f32"):
             raise ConfigError(f"kv_dtype={self.kv_dtype!r}: use 'f16' or 'f32'")
-        if self.prefill_chunk not in PREFILL_BUCKETS:
+        if not (_is_int(self.prefill_chunk) and self.prefill_chunk in PREFILL_BUCKETS):
             raise ConfigError(f"prefill_chunk={self.prefill_chunk!r}: use one of "
                               f"{PREFILL_BUCKETS}")
+        if self.plan_strategy not in STRATEGIES:
+            raise ConfigError(f"plan_strategy={self.plan_strategy!r}: use one of "
+                              f"{', '.join(STRATEGIES)}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -92,12 +101,13 @@ class _Sampler:
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0 = no limit)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise ConfigError(f"temperature={self.temperature!r}: must be a number >= 0 "
+                              "(0 = greedy)")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise ConfigError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = no limit)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p={self.top_p!r}: must be in (0, 1]")
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits [n_vocab] -> token id."""
@@ -141,11 +151,26 @@ class Engine:
         self.kv = KVStore(hp.n_layer, self.n_ctx, hp.kv_dim, config.kv_dtype)
         self._weight_types = {name: (w.qtype, tuple(w.shape))
                               for name, w in self.model.weights().items()}
+        self._check_matrix_types()
+        # Ids the tokenizer can turn into text; a padded embedding may have more rows, and
+        # sampling never picks those.
+        self.n_vocab = min(self.tokenizer.n_vocab, hp.n_vocab)
+        # One KV cache and one arena per plan: forward passes must not overlap, and a
+        # generation must notice when another one has used the cache since its last step.
+        self._lock = threading.Lock()
+        self._generation = 0
         self._executors: dict[tuple[int, bool], Executor] = {}
         # One decode step now pages the memory-mapped weights in and starts the threads, so
         # the first request is not charged for them. (It writes KV position 0, which every
         # request rewrites before reading.)
         self._executor(1).run((0,), 0, self.threads)
+
+    def _check_matrix_types(self) -> None:
+        for name, (qtype, shape) in sorted(self._weight_types.items()):
+            if len(shape) == 2 and qtype not in ACT_QTYPE:
+                raise ModelError(f"weight {name!r} is {qtype.upper()}; the integer kernels run "
+                                 f"matrices in {', '.join(t.upper() for t in ACT_QTYPE)} only "
+                                 "(re-quantize the model, e.g. to Q4_1 or Q8_0)")
 
     # --- plans ---------------------------------------------------------------------------------
 
@@ -178,19 +203,26 @@ class Engine:
         ids = [int(i) for i in ids]
         if not ids:
             raise ConfigError("the prompt is empty: give at least one token")
-        bad = [i for i in ids if not 0 <= i < self.hparams.n_vocab]
+        bad = [i for i in ids if not 0 <= i < self.n_vocab]
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary "
-                              f"0..{self.hparams.n_vocab - 1}")
+                              f"0..{self.n_vocab - 1}")
         return ids
 
     def _prefill(self, ids: list[int]) -> np.ndarray:
-        """Run the prompt through the model in chunks; the last token's logits [n_vocab]."""
+        """Run the prompt through the model in chunks; the last token's logits [n_vocab].
+        Call with the lock held: the logits are a view of the arena."""
         chunk = self.config.prefill_chunk
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
             logits = self._executor(len(part)).run(part, start, self.threads)
-        return logits[-1]
+        return logits[-1, :self.n_vocab]
+
+    def _claim_cache(self) -> int:
+        """A new owner of the KV cache (call with the lock held): any generation still
+        running finds out at its next step."""
+        self._generation += 1
+        return self._generation
 
     def eval_logits(self, token_ids) -> np.ndarray:
         """Teacher-forced logits at every position: [n_tokens, n_vocab] float32."""
@@ -202,10 +234,12 @@ class Engine:
         # The logits are the biggest tensor of an all-positions pass (192 KiB per token for a
         # 49152 vocabulary): short chunks keep that arena small at little cost in speed.
         chunk = min(self.config.prefill_chunk, 64)
-        for start in range(0, len(ids), chunk):
-            part = ids[start:start + chunk]
-            out[start:start + len(part)] = self._executor(len(part), True).run(part, start,
-                                                                               self.threads)
+        with self._lock:
+            self._claim_cache()
+            for start in range(0, len(ids), chunk):
+                part = ids[start:start + chunk]
+                executor = self._executor(len(part), True)
+                out[start:start + len(part)] = executor.run(part, start, self.threads)
         return out
 
     # --- generation ----------------------------------------------------------------------------
@@ -224,8 +258,8 @@ class Engine:
                stop_at_eos: bool = True, chat: bool = False) -> Stream:
         """Like generate(), but yields the text as it is made."""
         ids = self._check_ids(self.encode_prompt(prompt, chat))
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
+            raise ConfigError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if len(ids) >= self.n_ctx:
             if not self.config.truncate_prompt:
                 raise ContextLengthError(
@@ -249,7 +283,9 @@ class Engine:
         # an incremental UTF-8 decoder: each piece is complete, at O(1) per token.
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         t0 = time.perf_counter()
-        token = sample(self._prefill(ids))
+        with self._lock:
+            mine = self._claim_cache()
+            token = sample(self._prefill(ids))
         t1 = time.perf_counter()
         decode = self._executor(1)
         out, pieces, stop = [token], [], "length"
@@ -267,7 +303,13 @@ class Engine:
             if pos >= self.n_ctx:
                 stop = "context"
                 break
-            token = sample(decode.run((token,), pos, self.threads)[0])
+            with self._lock:
+                if self._generation != mine:
+                    raise MagnitudeError(
+                        "another generation (or eval_logits) has used this engine's KV cache "
+                        "since this stream's last token; an Engine runs one generation at a "
+                        "time: finish the first stream, or give each its own Engine")
+                token = sample(decode.run((token,), pos, self.threads)[0, :self.n_vocab])
             out.append(token)
             pos += 1
         t2 = time.perf_counter()

@@ -11,27 +11,17 @@ import math
 
 import numpy as np
 
-from ._ext.kernels import Program
-from .arena import Arena
+from ._ext.kernels import Q8_1, QTYPES, Program
+from .arena import Arena, aligned_zeros
 from .errors import GraphError
 from .graph import Graph, kv_cache_names, row_bytes
 from .planner import GraphPlan
 
-WEIGHT_QTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
-# Ops whose token row t is computed by the thread that owns row t in every such op.
+# Kernel type ids: the weight types are the kernels' own table; activations are Q8_0 / Q8_1.
+WEIGHT_QTYPES = QTYPES
+ACT_QTYPES = {"q8_0": QTYPES["q8_0"], "q8_1": Q8_1}
+# Ops whose token row t is computed, in every such op, by the thread that owns row t.
 ROW_LOCAL_OPS = frozenset({"embed", "rmsnorm", "quantize", "rope", "kv_write", "add", "silu_mul"})
-ACT_QTYPES = {"q8_0": 8, "q8_1": 9}
-ALIGNMENT = 64
-
-
-def aligned_zeros(shape, dtype) -> np.ndarray:
-    """Zeroed array whose first byte is 64-byte aligned. Pages stay untouched (not resident)
-    until written, so a KV cache costs memory only for the positions in use."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 class KVStore:
@@ -79,6 +69,7 @@ class Executor:
         self.n_vocab = self._logits.shape[1]
         self.hp = model.hparams
         self._weights: dict[str, np.ndarray] = {}
+        self.program_threads = max_threads
         specs = [self._compile(i, node, model) for i, node in enumerate(self.graph.nodes)]
         for spec, sync in zip(specs, self._barriers(specs)):
             spec["sync"] = int(sync)
@@ -111,8 +102,9 @@ class Executor:
         threads run without waiting for one another, so an op joins the group only if it
         touches no byte that an op of the group writes, and writes no byte that one reads:
         with arena reuse that is a question of byte ranges, not tensor names. Exception: ops
-        that run entirely on thread 0 (row-wise ops over a single token row) are ordered
-        among themselves anyway. On a decode step this removes about a third of the barriers."""
+        that each run entirely on one thread (row-wise ops over a single token row: the split
+        in runtime.pxi gives that row to the same thread every time) are ordered among
+        themselves anyway. On a decode step this removes half of the barriers."""
         group, barriers = [], []
         for node, spec in zip(self.graph.nodes, specs):
             access = self._access(node, spec)
@@ -125,7 +117,7 @@ class Executor:
         return barriers
 
     def _access(self, node, spec) -> tuple[list, list, bool]:
-        """(byte ranges read, byte ranges written, runs on thread 0 alone) of one op."""
+        """(byte ranges read, byte ranges written, runs on one thread alone) of one op."""
         def span(name):
             return self.arena.address(name), self.graph.tensors[name].nbytes
         reads = [span(n) for n in node.inputs if self.graph.tensors[n].kind != "weight"]
@@ -210,8 +202,11 @@ class Executor:
             operand("s", outs[1])
             spec.update(n_head=hp.n_head, n_kv_head=hp.n_head_kv, head_dim=hp.head_dim,
                         scale=1.0 / math.sqrt(hp.head_dim), flag=int(self.kv.dtype == "f16"))
-            if g.tensors[outs[1]].shape[-1] < self.kv.n_ctx:
-                raise GraphError(f"attention scratch {outs[1]} is shorter than the context")
+            rows, length = g.tensors[outs[1]].shape
+            if length < self.kv.n_ctx or rows < self.program_threads:
+                raise GraphError(f"attention scratch {outs[1]} is {rows} x {length}; it needs a "
+                                 f"row per thread ({self.program_threads}) of the context length "
+                                 f"({self.kv.n_ctx})")
         elif node.op in ("add", "silu_mul"):
             operand("a", ins[0])
             operand("b", ins[1])
@@ -235,7 +230,7 @@ def _overlap(a, b) -> bool:
 
 def _conflict(first, then) -> bool:
     """Must `then` wait for every thread to finish `first`? (read-after-write, write-after-read,
-    write-after-write on any byte), unless both run on thread 0 alone."""
+    write-after-write on any byte), unless both run alone on the same thread."""
     (r1, w1, alone1), (r2, w2, alone2) = first, then
     if alone1 and alone2:
         return False

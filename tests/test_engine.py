@@ -63,7 +63,7 @@ def test_prefill_chunks_match_one_pass(model_path, engine, passage_ids):
     chunked = magnitude.load(model_path, threads=2, max_context_length=512, prefill_chunk=16)
     a = chunked.eval_logits(passage_ids[:40])
     b = engine.eval_logits(passage_ids[:40])
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(a, b)  # same kernels, same order per element
 
 
 def test_one_and_two_threads_agree(model_path, engine, passage_ids):
@@ -225,3 +225,57 @@ def test_bad_generation_options(engine):
         engine.generate([1, 49152])
     with pytest.raises(ConfigError, match="empty"):
         engine.generate([])
+
+
+def test_padded_vocabulary_never_samples_padding(tmp_path):
+    # Many GGUFs pad the embedding past the tokenizer's last id: those rows are not tokens.
+    from reference import TINY_TOKENS, write_tiny_llama
+    n = len(TINY_TOKENS) + 16
+    path = tmp_path / "padded.gguf"
+    write_tiny_llama(path, vocab_size=n, shapes={"token_embd.weight": (n, 64)})
+    eng = magnitude.load(str(path), threads=1, max_context_length=64)
+    assert eng.hparams.n_vocab == n and eng.n_vocab == len(TINY_TOKENS)
+    for seed in range(20):
+        r = eng.generate([5, 6, 7], max_new_tokens=20, temperature=2.0, seed=seed,
+                         stop_at_eos=False)
+        assert max(r.output_tokens) < len(TINY_TOKENS)
+    with pytest.raises(ConfigError, match=str(len(TINY_TOKENS) + 3)):
+        eng.generate([len(TINY_TOKENS) + 3])
+
+
+def test_matrices_the_kernels_cannot_run_are_refused_at_load(tmp_path):
+    from reference import write_tiny_llama
+    path = tmp_path / "f16_embd.gguf"
+    write_tiny_llama(path, embd_type="f16")
+    with pytest.raises(magnitude.ModelError, match="token_embd.weight.*F16"):
+        magnitude.load(str(path), threads=1, max_context_length=64)
+
+
+def test_interleaved_streams_are_refused_not_mixed(engine):
+    a = iter(engine.stream("The capital of France is", max_new_tokens=20, stop_at_eos=False))
+    next(a)
+    b = engine.generate("Once upon a time", max_new_tokens=3)  # reuses the KV cache
+    assert b.output_tokens
+    with pytest.raises(magnitude.MagnitudeError, match="one generation at a time"):
+        for _ in a:
+            pass
+
+
+def test_prefill_last_row_matches_all_positions(engine, passage_ids):
+    # The prefill graph computes only the last token's logits; they must equal that row of
+    # the all-positions graph (same kernels, same order: bit for bit).
+    ids = passage_ids[:37]
+    with engine._lock:
+        last = engine._prefill(ids).copy()
+    np.testing.assert_array_equal(last, engine.eval_logits(ids)[-1])
+
+
+def test_executor_refuses_a_scratch_without_a_row_per_thread(engine):
+    from magnitude.executor import Executor
+    from magnitude.graph import build_llama_graph, kv_cache_names
+    from magnitude.planner import plan_graph
+    graph = build_llama_graph(engine.hparams, engine._weight_types, 1, engine.n_ctx, n_threads=1)
+    caches = [n for i in range(engine.hparams.n_layer) for n in kv_cache_names(i)]
+    plan = plan_graph(graph, buffer_handles=caches)
+    with pytest.raises(magnitude.GraphError, match="row per thread"):
+        Executor(engine.model, plan, engine.kv, max_threads=2)

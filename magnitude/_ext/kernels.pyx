@@ -46,6 +46,9 @@ globals()["HAVE_OPENMP"] = OPENMP
 
 PATH_NAMES = ("scalar", "avx2", "avxvnni", "avx512vnni")
 QTYPES = {"q4_0": MG_Q4_0, "q4_1": MG_Q4_1, "q8_0": MG_Q8_0}
+cdef enum:
+    MG_Q8_1 = 9  # ggml's id for Q8_1: the op table's QUANTIZE takes it (any other means Q8_0)
+Q8_1 = MG_Q8_1
 
 
 def _check_env_path():

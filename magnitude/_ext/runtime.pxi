@@ -67,7 +67,9 @@ cdef struct Op:
 
 cdef inline void split(int64_t total, int64_t grain, int tid, int nth,
                        int64_t *lo, int64_t *hi) noexcept nogil:
-    """Thread tid's share [lo, hi) of total units, cut at multiples of grain."""
+    """Thread tid's share [lo, hi) of total units, cut at multiples of grain. A pure function
+    of (total, tid, nth): the same unit always goes to the same thread, which the executor's
+    barrier elision relies on (a single row always lands on thread nth-1)."""
     cdef int64_t chunks = (total + grain - 1) // grain
     cdef int64_t c0 = chunks * tid // nth
     cdef int64_t c1 = chunks * (tid + 1) // nth
@@ -122,7 +124,7 @@ cdef void run_row(const Op *op, int64_t t, int64_t T, int64_t pos0) noexcept nog
         mg_rmsnorm(<float *> (op.a + src * op.a_stride), <float *> op.b,
                    <float *> (op.c + t * op.c_stride), op.n, op.eps)
     elif op.kind == QUANTIZE:   # a: x [T, n] f32, c: [T, n] blocks
-        if op.qtype == 9:
+        if op.qtype == MG_Q8_1:
             mg_quantize_q8_1(<float *> (op.a + t * op.a_stride), <uint8_t *> (op.c + t * op.c_stride), op.n)
         else:
             mg_quantize_q8_0(<float *> (op.a + t * op.a_stride), <uint8_t *> (op.c + t * op.c_stride), op.n)
