@@ -245,19 +245,20 @@ class Engine:
     # --- generation ----------------------------------------------------------------------------
 
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
-        """Text (optionally wrapped in the model's chat template as one user turn) or ids."""
+        """Checked token ids of a prompt: text (optionally wrapped in the model's chat
+        template as one user turn) or ids."""
         if isinstance(prompt, str):
             if chat:
                 prompt = self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+            prompt = self.tokenizer.encode(prompt)
+        return self._check_ids(prompt)
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_at_eos: bool = True, chat: bool = False) -> Stream:
         """Like generate(), but yields the text as it is made."""
-        ids = self._check_ids(self.encode_prompt(prompt, chat))
+        ids = self.encode_prompt(prompt, chat)
         if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
             raise ConfigError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if len(ids) >= self.n_ctx:

@@ -37,6 +37,7 @@ except ImportError:  # not built: best-fit runs in Python and `best` skips the s
     _core = None
 
 STRATEGIES = ("naive", "linear", "greedy_by_size", "greedy_by_breadth", "best")
+MAX_INT = 2**62  # sizes, node indices and alignments stay below this (int64 with headroom)
 
 # The search builds per-buffer overlap lists; past this many overlapping pairs it would cost
 # more memory and set-up time than it can win back, and `best` keeps the portfolio result.
@@ -150,8 +151,9 @@ def place(buffers, alignment: int = 64, strategy: str = "best", capacity=None,
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if capacity is not None and (not _is_int(capacity) or capacity < 0):
         raise ValueError(f"capacity {capacity!r} must be a non-negative int (bytes) or None")
-    if not isinstance(time_limit_s, (int, float)) or not time_limit_s >= 0:
-        raise ValueError(f"time_limit_s {time_limit_s!r} must be a number >= 0")
+    if (not isinstance(time_limit_s, (int, float)) or isinstance(time_limit_s, bool)
+            or not 0 <= time_limit_s < math.inf):
+        raise ValueError(f"time_limit_s {time_limit_s!r} must be a finite number >= 0")
     buffers = list(buffers)
     _check_buffers(buffers)
     deadline = time.monotonic() + time_limit_s
@@ -201,12 +203,13 @@ def _is_int(x) -> bool:
 
 
 def _check_alignment(alignment) -> None:
-    if not _is_int(alignment) or alignment < 1 or alignment & (alignment - 1):
+    if not _is_int(alignment) or not 1 <= alignment < MAX_INT or alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment!r} must be a power of two >= 1 (e.g. 64)")
 
 
 def _check_buffers(buffers) -> None:
     seen = set()
+    total = 0
     for b in buffers:
         if not isinstance(b, Buffer):
             raise ValueError(f"expected Buffer(id, size, first, last), got {b!r}")
@@ -215,6 +218,9 @@ def _check_buffers(buffers) -> None:
                 raise ValueError(f"buffer {b.id!r}: {field} {getattr(b, field)!r} is not an int")
         if b.size < 0:
             raise ValueError(f"buffer {b.id!r}: size {b.size} is negative")
+        if max(b.size, b.last) >= MAX_INT:  # the compiled search works in int64
+            raise ValueError(f"buffer {b.id!r}: size {b.size} / last {b.last} is too large "
+                             f"(limit {MAX_INT - 1})")
         if b.first < 0:
             raise ValueError(f"buffer {b.id!r}: first {b.first} is negative")
         if b.last < b.first:
@@ -223,6 +229,10 @@ def _check_buffers(buffers) -> None:
         if b.id in seen:
             raise ValueError(f"buffer id {b.id!r} appears twice; ids must be unique")
         seen.add(b.id)
+        total += int(b.size)
+    if total >= MAX_INT:
+        raise ValueError(f"the buffers add up to {total} bytes, more than the planner's limit "
+                         f"of {MAX_INT - 1}")
 
 
 # -- the problem in units ---------------------------------------------------------------------

@@ -31,3 +31,9 @@ def test_missing_model_says_how_to_fix_it(tmp_path):
     p = magnitude("run", "-p", "hi", "--model", str(tmp_path / "nope.gguf"))
     assert p.returncode == 2
     assert "nope.gguf" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_empty_prompt_is_a_clear_error():
+    p = magnitude("run", "-p", "", "--threads", "1", "--ctx", "64")
+    assert p.returncode == 2
+    assert "prompt is empty" in p.stderr and "Traceback" not in p.stderr

@@ -15,8 +15,7 @@ from magnitude.planner import (STRATEGIES, Buffer, align_up, liveness, lower_bou
                                plan_graph)
 
 MB = 1 << 20
-CORPUS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "benchmarks",
-                      "minimalloc")
+CORPUS = os.path.join(os.path.dirname(__file__), "data", "minimalloc")
 FAST = settings(max_examples=60, deadline=None)
 
 
@@ -147,8 +146,6 @@ def test_best_finds_the_exact_optimum_on_tiny_cases(rows):
 def test_canonical_search_is_sound_and_complete(rows, heuristic):
     # Straight at the compiled search: at the brute-force optimum it must find a valid
     # packing, one byte below it must prove there is none.
-    if planner._core is None:
-        pytest.skip("compiled placement core not built")
     buffers = [Buffer(i, s, f, f + d) for i, (s, f, d) in enumerate(rows)]
     optimum = brute_force_optimum(buffers, 1)
     search = planner._core.CanonicalSearch(np.array([b.size for b in buffers]),
@@ -168,8 +165,6 @@ def test_canonical_search_is_sound_and_complete(rows, heuristic):
 @FAST
 @given(buffer_sets, st.sampled_from(["linear", "greedy_by_size", "greedy_by_breadth"]))
 def test_compiled_placement_matches_the_python_oracle(buffers, strategy):
-    if planner._core is None:
-        pytest.skip("compiled placement core not built")
     compiled = place(buffers, 1, strategy)
     core, planner._core = planner._core, None
     try:
@@ -212,10 +207,14 @@ def test_zero_size_buffers_take_no_bytes():
     assert place([], strategy="best").arena_size == 0
 
 
+def test_the_compiled_search_core_is_built():
+    # planner.py falls back to Python without it (and skips the search): a broken build must
+    # fail here, not pass quietly with worse plans.
+    assert planner._core is not None
+
+
 def test_corpus_case_fits_its_capacity():
     path = os.path.join(CORPUS, "C.csv")
-    if not os.path.exists(path) or planner._core is None:
-        pytest.skip("MiniMalloc corpus or compiled core not available")
     with open(path) as f:
         buffers = [Buffer(int(r["id"]), int(r["size"]), int(r["lower"]), int(r["upper"]) - 1)
                    for r in csv.DictReader(f)]
@@ -228,8 +227,6 @@ def test_corpus_case_fits_its_capacity():
 def test_a_search_cut_short_by_its_budget_still_repeats_exactly():
     # The budget is counted in work, not seconds: stopping mid-search lands on the same plan.
     path = os.path.join(CORPUS, "A.csv")
-    if not os.path.exists(path) or planner._core is None:
-        pytest.skip("MiniMalloc corpus or compiled core not available")
     with open(path) as f:
         buffers = [Buffer(int(r["id"]), int(r["size"]), int(r["lower"]), int(r["upper"]) - 1)
                    for r in csv.DictReader(f)]
@@ -242,8 +239,6 @@ def test_the_clock_is_a_hard_stop(monkeypatch):
     # On a machine far slower than the work budget assumes, time_limit_s still bounds best.
     import time
 
-    if planner._core is None:
-        pytest.skip("compiled core not available")
     rng = np.random.default_rng(3)
     buffers = [Buffer(i, int(rng.integers(1, 40)) * 64, int(f), int(f + rng.integers(0, 40)))
                for i, f in enumerate(np.sort(rng.integers(0, 300, 600)))]
@@ -263,6 +258,9 @@ def test_the_clock_is_a_hard_stop(monkeypatch):
     ([Buffer("x", 8, 0, 1), Buffer("x", 8, 2, 3)], "id 'x' appears twice"),
     ([Buffer("f", 8.0, 0, 1)], "'f'.*size 8.0"),
     ([("a", 8, 0, 1)], "expected Buffer"),
+    ([Buffer("huge", np.uint64(2**64 - 1), 0, 1)], "'huge'.*too large"),
+    ([Buffer("late", 8, 0, 2**63)], "'late'.*too large"),
+    ([Buffer(i, 2**61, 0, 1) for i in range(3)], "add up to"),
 ])
 def test_bad_buffers_raise_naming_the_buffer(buffers, match):
     with pytest.raises(ValueError, match=match):
@@ -271,7 +269,7 @@ def test_bad_buffers_raise_naming_the_buffer(buffers, match):
         lower_bound(buffers)
 
 
-@pytest.mark.parametrize("alignment", [0, 3, 48, -64, 1.0, True, "64"])
+@pytest.mark.parametrize("alignment", [0, 3, 48, -64, 1.0, True, "64", 2**63])
 def test_alignment_must_be_a_power_of_two(alignment):
     with pytest.raises(ValueError, match="alignment"):
         place(SEVEN, alignment=alignment)
@@ -286,6 +284,8 @@ def test_bad_strategy_capacity_and_time_limit_raise():
         place(SEVEN, capacity=-1)
     with pytest.raises(ValueError, match="time_limit_s -2"):
         place(SEVEN, time_limit_s=-2)
+    with pytest.raises(ValueError, match="time_limit_s inf"):
+        place(SEVEN, time_limit_s=float("inf"))
 
 
 # -- graphs ------------------------------------------------------------------------------------
