@@ -53,7 +53,21 @@ def _float_rows(x, name="x") -> tuple[np.ndarray, bool]:
         raise ValueError(f"{name} must be 1-D or 2-D, got shape {a.shape}")
     if not np.issubdtype(a.dtype, np.floating):
         raise ValueError(f"{name} must be a float array, got dtype {a.dtype}")
+    if a.size == 0:
+        raise ValueError(f"{name} is empty (shape {a.shape})")
     return np.ascontiguousarray(a.reshape(-1, a.shape[-1]), dtype=np.float32), a.ndim == 1
+
+
+def _int_vector(values, name: str, low: int, high: int) -> np.ndarray:
+    """values as int64 [n], each checked in [low, high) BEFORE the cast (a uint64 past 2**63
+    would otherwise wrap to a negative number)."""
+    v = np.atleast_1d(np.asarray(values))
+    if v.ndim != 1 or not np.issubdtype(v.dtype, np.integer):
+        raise ValueError(f"{name} must be integers (one or a 1-D array), got {v.dtype} {v.shape}")
+    for i in v.tolist():  # Python ints: exact whatever the dtype
+        if not low <= i < high:
+            raise ValueError(f"{name} {i} is outside {low}..{high - 1}")
+    return np.ascontiguousarray(v, dtype=np.int64)
 
 
 def _quantize(x, kind: int, bb: int) -> np.ndarray:
@@ -148,7 +162,7 @@ def _check_name(qtype: str) -> str:
 def rmsnorm(x, w, eps: float = 1e-5, out=None) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * w, per row. out may be x itself."""
     a, flat = _float_rows(x)
-    wv = np.ascontiguousarray(w, dtype=np.float32).reshape(-1)
+    wv = _vec(w, "w")
     y = _out_like(a, out)
     _k.rmsnorm(a, wv, y, float(eps))
     return y[0] if flat and out is None else y
@@ -159,11 +173,8 @@ def rope(x, n_heads: int, head_dim: int, pos, freq_base: float = 10000.0) -> np.
     pos[t] * freq_base^(-2i/head_dim) (llama "normal" RoPE). Returns a new array."""
     a, flat = _float_rows(x)
     a = a.copy()
-    p = np.atleast_1d(np.asarray(pos))
-    if not np.issubdtype(p.dtype, np.integer):
-        raise ValueError(f"positions must be integers, got dtype {p.dtype}")
-    _k.rope(a, int(n_heads), int(head_dim), np.ascontiguousarray(p, dtype=np.int64),
-            float(freq_base))
+    p = _int_vector(pos, "positions", 0, 2**31)
+    _k.rope(a, int(n_heads), int(head_dim), p, float(freq_base))
     return a[0] if flat else a
 
 
@@ -203,12 +214,9 @@ def dequant_row(w_raw, qtype: str, ids) -> np.ndarray:
     qid = _qtype(qtype)
     w = _weight(w_raw, qtype)
     one = np.ndim(ids) == 0
-    idv = np.atleast_1d(np.asarray(ids))
-    if not np.issubdtype(idv.dtype, np.integer) or idv.ndim != 1:
-        raise ValueError(f"ids must be integers (one id or a 1-D array), got {idv.dtype} "
-                         f"{idv.shape}")
+    idv = _int_vector(ids, "row id", 0, w.shape[0])
     y = np.empty((idv.shape[0], w.shape[1] // BLOCK_BYTES[qtype] * 32), dtype=np.float32)
-    _k.dequant_rows(qid, w, np.ascontiguousarray(idv, dtype=np.int64), y)
+    _k.dequant_rows(qid, w, idv, y)
     return y[0] if one else y
 
 

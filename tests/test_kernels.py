@@ -448,6 +448,14 @@ def test_bad_inputs_raise_value_error():
         K.quantize_q8_0(np.zeros(33, np.float32))
     with pytest.raises(ValueError, match="row id 8"):
         K.dequant_row(w, "q4_1", [8])
+    with pytest.raises(ValueError, match="row id 9223372036854775808"):  # not wrapped negative
+        K.dequant_row(w, "q4_1", np.array([2**63], np.uint64))
+    with pytest.raises(ValueError, match="positions 2147483648"):
+        K.rope(np.zeros((1, 8), np.float32), 2, 4, [2**31])
+    with pytest.raises(ValueError, match="w must be a 1-D"):
+        K.rmsnorm(np.zeros((2, 8), np.float32), np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match="empty"):
+        K.softmax(np.zeros(0, np.float32))
     with pytest.raises(ValueError, match="head_dim"):
         K.rope(np.zeros((1, 10), np.float32), 2, 5, [0])
     with pytest.raises(ValueError, match="positions given"):
