@@ -52,7 +52,6 @@ def extensions():
             include_dirs=["magnitude/_ext"],
             extra_compile_args=cflags,
             extra_link_args=ldflags,
-            define_macros=[("MG_HAVE_OPENMP", "1" if openmp else "0")],
         )
         for pyx in sorted(glob("magnitude/_ext/*.pyx"))
     ]

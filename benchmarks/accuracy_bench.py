@@ -12,8 +12,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import magnitude  # noqa: E402
-from reference import reference_logits  # noqa: E402
-from test_engine import PASSAGE  # noqa: E402
+from reference import PASSAGE, reference_logits  # noqa: E402
 
 
 def llamacpp_logits(path, ids):

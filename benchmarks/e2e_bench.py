@@ -32,11 +32,6 @@ def prefill_ids(tokenize, n: int) -> list[int]:
     return ids[:n]
 
 
-def peak_rss() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # --- workers (run in their own process) --------------------------------------------------------
 
 def magnitude_worker(args) -> dict:
@@ -86,7 +81,7 @@ def magnitude_worker(args) -> dict:
     out["kv_bytes"] = eng.kv.nbytes
     out["greedy"] = [eng.generate(p, max_new_tokens=16, stop_at_eos=False).output_tokens
                      for p in GREEDY_PROMPTS]
-    out["peak_rss"] = peak_rss()
+    out["peak_rss"] = peak_rss_bytes()
     return out
 
 
@@ -139,11 +134,18 @@ def llamacpp_worker(args) -> dict:
             times.append(time.perf_counter() - t0)
         out[f"prefill{n_tok}_tok_s"] = n_tok / statistics.median(times)
     out["greedy"] = [greedy(tokenize(p), 16) for p in GREEDY_PROMPTS]
-    out["peak_rss"] = peak_rss()
+    out["peak_rss"] = peak_rss_bytes()
     return out
 
 
 # --- orchestration -----------------------------------------------------------------------------
+
+def peak_rss_bytes() -> int:
+    # Not magnitude.engine's: the llama.cpp worker must not import our package, whose imports
+    # would count in its memory.
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
 
 def run_worker(kind: str, threads: int, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(threads),

@@ -20,6 +20,20 @@ from gguf.quants import dequantize, quantize
 _DEQUANTIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+# A 150+-token passage of ordinary English for comparing logits (tests and benchmarks).
+PASSAGE = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors in "
+    "Europe built wooden machines that riders pushed along with their feet. Pedals attached "
+    "to the front wheel came decades later, and the tall penny-farthing followed, fast but "
+    "dangerous. The safety bicycle, with two wheels of equal size and a chain driving the "
+    "rear wheel, changed everything in the 1880s. Pneumatic tyres made the ride smooth, and "
+    "within a few years millions of people in cities and villages could travel further than "
+    "ever before without a horse. Women in particular found a new freedom, and the bicycle "
+    "became a symbol of independence. Today engineers still refine frames, gears and brakes, "
+    "yet the basic shape has hardly changed in more than a century."
+)
+
+
 def dequantized(model_file) -> dict[str, np.ndarray]:
     """float32 array of every weight by GGUF name, in numpy shape; cached per ModelFile."""
     weights = _DEQUANTIZED.get(model_file)

@@ -9,19 +9,7 @@ import pytest
 import magnitude
 from magnitude import ConfigError, ContextLengthError
 from magnitude.engine import EngineConfig, _Sampler
-from reference import reference_logits
-
-PASSAGE = (
-    "The history of the bicycle begins in the early nineteenth century, when inventors in "
-    "Europe built wooden machines that riders pushed along with their feet. Pedals attached "
-    "to the front wheel came decades later, and the tall penny-farthing followed, fast but "
-    "dangerous. The safety bicycle, with two wheels of equal size and a chain driving the "
-    "rear wheel, changed everything in the 1880s. Pneumatic tyres made the ride smooth, and "
-    "within a few years millions of people in cities and villages could travel further than "
-    "ever before without a horse. Women in particular found a new freedom, and the bicycle "
-    "became a symbol of independence. Today engineers still refine frames, gears and brakes, "
-    "yet the basic shape has hardly changed in more than a century."
-)
+from reference import PASSAGE, reference_logits
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@
  * mutable state is the selected path (an int, set once at start-up or by mg_set_kernel_path).
  *
  * Trap: this file is `static`, so every extension module that includes it has its OWN copy of
- * the selected path. MAGNITUDE_KERNEL affects all of them; mg_set_kernel_path only its own module.
+ * the selected path. Only kernels.pyx includes it (the executor's op table is compiled into
+ * that module), so there is one.
  */
 #ifndef MG_SIMD_PASS /* ---------------------------------------------------------------------- */
 #ifndef MG_KERNELS_H
@@ -422,25 +423,19 @@ static void mg_block_sums(int qtype, const uint8_t *w, int64_t row_bytes, const 
             out[r * nb + b] = mg_block_sumi(qtype, w + r * row_bytes, x, b);
 }
 
-static void mg_quantize_q8_0(const float *x, uint8_t *out, int64_t n) {
+/* Q8_0 (q8_1 == 0) or Q8_1 rows with the selected path's block quantizer */
+static void mg_quantize(const float *x, uint8_t *out, int64_t n, int q8_1) {
 #if MG_X86
     if (mg_kernel_path() != MG_PATH_SCALAR) {
-        mg_quantize_rows(mg_quantize_block_avx2, 0, x, out, n);
+        mg_quantize_rows(mg_quantize_block_avx2, q8_1, x, out, n);
         return;
     }
 #endif
-    mg_quantize_rows(mg_quantize_block, 0, x, out, n);
+    mg_quantize_rows(mg_quantize_block, q8_1, x, out, n);
 }
 
-static void mg_quantize_q8_1(const float *x, uint8_t *out, int64_t n) {
-#if MG_X86
-    if (mg_kernel_path() != MG_PATH_SCALAR) {
-        mg_quantize_rows(mg_quantize_block_avx2, 1, x, out, n);
-        return;
-    }
-#endif
-    mg_quantize_rows(mg_quantize_block, 1, x, out, n);
-}
+static void mg_quantize_q8_0(const float *x, uint8_t *out, int64_t n) { mg_quantize(x, out, n, 0); }
+static void mg_quantize_q8_1(const float *x, uint8_t *out, int64_t n) { mg_quantize(x, out, n, 1); }
 
 static void mg_silu_mul(const float *g, const float *u, float *y, int64_t n) {
 #if MG_X86
