@@ -55,7 +55,8 @@ def cmd_run(args) -> None:
     prompt_ids = engine.encode_prompt(args.prompt, args.chat)
     for label, n in (("prefill", len(prompt_ids)), ("decode", 1)):
         plan = engine.plan_for(n)
-        print(f"[magnitude] {label} plan ({plan.graph.tensors['tokens'].shape[0]} tokens/pass): "
+        per_pass = plan.graph.tensors["tokens"].shape[0]
+        print(f"[magnitude] {label} plan ({per_pass} token{'s' * (per_pass > 1)} per pass): "
               f"{len(plan.offsets)} tensors in one arena of {_mib(plan.arena_size)}, lower bound "
               f"{_mib(plan.lower_bound)} ({plan.arena_size / max(1, plan.lower_bound):.3f}x), "
               f"{_mib(sum(plan.sizes.values()))} without sharing", file=sys.stderr)
