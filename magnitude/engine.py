@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import operator
 import os
 import threading
 import resource
@@ -200,7 +201,11 @@ class Engine:
     # --- forward passes ------------------------------------------------------------------------
 
     def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]
+        try:
+            ids = [operator.index(i) for i in ids]  # ints only: 5.7 is not a token
+        except TypeError:
+            bad = next(i for i in ids if not hasattr(i, "__index__"))
+            raise ConfigError(f"token id {bad!r} is not an integer") from None
         if not ids:
             raise ConfigError("the prompt is empty: give at least one token")
         bad = [i for i in ids if not 0 <= i < self.n_vocab]

@@ -213,6 +213,8 @@ def test_bad_generation_options(engine):
         engine.generate([1, 49152])
     with pytest.raises(ConfigError, match="empty"):
         engine.generate([])
+    with pytest.raises(ConfigError, match="5.5 is not an integer"):
+        engine.eval_logits([1, 5.5])
 
 
 def test_padded_vocabulary_never_samples_padding(tmp_path):
