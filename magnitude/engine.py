@@ -39,7 +39,7 @@ def available_cores() -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None
-    threads: int | None = None  # None: every core this process may use
+    threads: int | None = None  # None: up to every core; decode picks 1 or all by speed
     max_context_length: int = 2048
     kv_dtype: str = "f16"  # K/V cache element type: "f16" or "f32"
     prefill_chunk: int = 512  # at most this many prompt tokens per forward pass
@@ -138,6 +138,33 @@ class Stream:
         self.result = yield from self._pieces
 
 
+class ThreadChooser:
+    """Decode thread count for threads=None: whichever of 1 and all cores has been faster
+    lately. On an idle machine all cores win (~1.7x here); when another process keeps a core
+    busy, every barrier of a multi-threaded step waits for a descheduled thread and one
+    thread wins (~2.5x). Every `probe_every` steps one step runs with the other count, so a
+    change of load is noticed within that many tokens; step times are smoothed."""
+
+    def __init__(self, max_threads: int, probe_every: int = 64, smoothing: float = 0.3):
+        self.choices = sorted({1, max_threads})
+        self.current = max_threads
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self.seconds: dict[int, float] = {}  # smoothed step time per thread count
+        self._steps = 0
+
+    def next(self) -> int:
+        self._steps += 1
+        if self._steps % self.probe_every == 0 and len(self.choices) > 1:
+            return next(n for n in self.choices if n != self.current)
+        return self.current
+
+    def record(self, n_threads: int, seconds: float) -> None:
+        old = self.seconds.get(n_threads)
+        self.seconds[n_threads] = seconds if old is None else \
+            (1 - self.smoothing) * old + self.smoothing * seconds
+        self.current = min(self.seconds, key=lambda n: (self.seconds[n], -n))
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -149,6 +176,8 @@ class Engine:
                               f"model's training context ({hp.n_ctx_train})")
         self.n_ctx = config.max_context_length
         self.threads = config.threads or available_cores()
+        # threads=None lets the decode loop pick 1 or all cores by measured speed.
+        self.thread_chooser = ThreadChooser(self.threads) if config.threads is None else None
         self.kv = KVStore(hp.n_layer, self.n_ctx, hp.kv_dim, config.kv_dtype)
         self._weight_types = {name: (w.qtype, tuple(w.shape))
                               for name, w in self.model.weights().items()}
@@ -222,6 +251,17 @@ class Engine:
             part = ids[start:start + chunk]
             logits = self._executor(len(part)).run(part, start, self.threads)
         return logits[-1, :self.n_vocab]
+
+    def _decode_step(self, decode: Executor, token: int, pos: int) -> np.ndarray:
+        """One token through the decode plan: its logits [n_vocab] (a view of the arena)."""
+        chooser = self.thread_chooser
+        if chooser is None:
+            return decode.run((token,), pos, self.threads)[0]
+        n = chooser.next()
+        t0 = time.perf_counter()
+        logits = decode.run((token,), pos, n)[0]
+        chooser.record(n, time.perf_counter() - t0)
+        return logits
 
     def _claim_cache(self) -> int:
         """A new owner of the KV cache (call with the lock held): any generation still
@@ -315,7 +355,7 @@ class Engine:
                         "another generation (or eval_logits) has used this engine's KV cache "
                         "since this stream's last token; an Engine runs one generation at a "
                         "time: finish the first stream, or give each its own Engine")
-                token = sample(decode.run((token,), pos, self.threads)[0, :self.n_vocab])
+                token = sample(self._decode_step(decode, token, pos)[:self.n_vocab])
             out.append(token)
             pos += 1
         t2 = time.perf_counter()

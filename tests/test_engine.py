@@ -269,3 +269,29 @@ def test_executor_refuses_a_scratch_without_a_row_per_thread(engine):
     plan = plan_graph(graph, buffer_handles=caches)
     with pytest.raises(magnitude.GraphError, match="row per thread"):
         Executor(engine.model, plan, engine.kv, max_threads=2)
+
+
+def test_thread_chooser_follows_the_faster_count():
+    from magnitude.engine import ThreadChooser
+    chooser = ThreadChooser(2, probe_every=4)
+    speed = {1: 5.0, 2: 3.0}  # idle machine: two threads are faster
+    used = []
+    for step in range(40):
+        if step == 20:
+            speed = {1: 5.0, 2: 13.0}  # another process takes a core
+        n = chooser.next()
+        used.append(n)
+        chooser.record(n, speed[n])
+    assert used[:3] == [2, 2, 2] and 1 in used[:20]  # probes the other count
+    assert used[10:19].count(2) >= 6  # but stays with the faster one
+    assert used[-8:].count(1) >= 6  # and moves when the load changes
+    assert ThreadChooser(1).next() == 1
+
+
+def test_automatic_threads_give_the_same_tokens(model_path, engine):
+    auto = magnitude.load(model_path, max_context_length=512)  # threads=None
+    assert auto.thread_chooser is not None and engine.thread_chooser is None
+    auto.thread_chooser.probe_every = 3  # switch often: results must not depend on it
+    prompt = "The capital of France is"
+    assert (auto.generate(prompt, max_new_tokens=12, stop_at_eos=False).output_tokens
+            == engine.generate(prompt, max_new_tokens=12, stop_at_eos=False).output_tokens)
