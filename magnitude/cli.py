@@ -51,7 +51,9 @@ def cmd_run(args) -> None:
     from .kernels import kernel_path
     engine = _load(args)
     hp = engine.hparams
-    print(f"[magnitude] {hp.name or hp.arch}: {hp.n_layer} layers, {engine.threads} threads, "
+    threads = (f"1 or {engine.threads} threads (auto)" if engine.thread_chooser
+               else f"{engine.threads} threads")
+    print(f"[magnitude] {hp.name or hp.arch}: {hp.n_layer} layers, {threads}, "
           f"kernels {kernel_path()}", file=sys.stderr)
     prompt_ids = engine.encode_prompt(args.prompt, args.chat)
     for label, n in (("prefill", len(prompt_ids)), ("decode", 1)):
